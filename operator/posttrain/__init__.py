@@ -1,0 +1,1 @@
+"""posttrain: post-train LLMs with JAX on Kubernetes."""

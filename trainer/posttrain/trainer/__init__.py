@@ -1,0 +1,1 @@
+"""The JAX side of posttrain: models, data, training loop, checkpoints, export."""
