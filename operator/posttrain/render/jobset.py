@@ -1,0 +1,380 @@
+"""Render the JobSet that runs a PostTrainJob.
+
+Modes (chosen from spec.resources):
+- TPU: replicated job `slice` (one Job per slice, one pod = one JAX process per host),
+  exclusive placement per node pool, MEGASCALE_* env when there are several slices.
+- TPU with Pathways: `pathways-head` (resource manager and proxy as native sidecars, the
+  trainer as a single JAX client) and `worker` (pathways-worker on every TPU host).
+- GPU and CPU: replicated job `node`, one pod per node.
+
+Restarts: the trainer exits with USER_ERROR_EXIT_CODE for errors in the job's own input;
+that fails the JobSet at once. A preempted or evicted pod restarts the JobSet without
+counting against maxRestarts; any other failure restarts it up to maxRestarts times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
+from posttrain.catalog import Placement
+from posttrain.render import names
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+CONFIG_MOUNT = "/etc/posttrain"
+CONFIG_FILE = f"{CONFIG_MOUNT}/job.json"
+JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+JOB_NAME_LABEL = "posttrain.dev/job-name"
+PATHWAYS_RM_PORT = 29001
+PATHWAYS_PROXY_PORT = 29000
+PATHWAYS_WORKER_PORT = 29005
+
+# Job failure messages the Job controller writes for podFailurePolicy FailJob rules;
+# the JobSet failurePolicy tells the two causes apart by them.
+USER_ERROR_PATTERN = f"exit code {USER_ERROR_EXIT_CODE} matching FailJob rule"
+DISRUPTION_PATTERN = "condition DisruptionTarget matching FailJob rule"
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """Operator-level defaults a PostTrainJob may leave out."""
+
+    trainer_image: str = "ghcr.io/posttrain/trainer:0.1.0"
+    pathways_server_image: str = "us-docker.pkg.dev/cloud-tpu-v2-releases/pathways/server:latest"
+    pathways_proxy_image: str = (
+        "us-docker.pkg.dev/cloud-tpu-v2-releases/pathways/proxy_server:latest"
+    )
+    default_queue: str | None = None
+
+
+def common_labels(job: PostTrainJob) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "posttrain",
+        "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/managed-by": "posttrain-operator",
+        JOB_NAME_LABEL: job.metadata.name,
+    }
+
+
+def owner_references(job: PostTrainJob) -> list[dict[str, Any]]:
+    if not job.metadata.uid:
+        return []
+    return [
+        {
+            "apiVersion": job.api_version,
+            "kind": job.kind,
+            "name": job.metadata.name,
+            "uid": job.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def object_meta(job: PostTrainJob, name: str, labels: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "labels": {**common_labels(job), **(labels or {})}}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    if refs := owner_references(job):
+        meta["ownerReferences"] = refs
+    return meta
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _job_index_env(name: str) -> dict[str, Any]:
+    return _field_env(name, f"metadata.annotations['{JOB_INDEX_ANNOTATION}']")
+
+
+def _trainer_env(job: PostTrainJob, placement: Placement, pathways_head: str | None) -> list:
+    spec = job.spec
+    shapes = names.replicated_jobs(spec, placement)
+    env: list[dict[str, Any]] = [
+        {"name": "POSTTRAIN_JOB_NAME", "value": job.metadata.name},
+        _field_env("POSTTRAIN_JOB_NAMESPACE", "metadata.namespace"),
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if pathways_head:
+        env += [
+            {"name": "JAX_PLATFORMS", "value": "proxy"},
+            {
+                "name": "JAX_BACKEND_TARGET",
+                "value": f"grpc://{pathways_head}:{PATHWAYS_PROXY_PORT}",
+            },
+            {"name": "XCLOUD_ENVIRONMENT", "value": "GCP"},
+            {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"},
+            {"name": "JAX_NUM_PROCESSES", "value": "1"},
+        ]
+    else:
+        shape = shapes[0]
+        env += [
+            {
+                "name": "JAX_COORDINATOR_ADDRESS",
+                "value": names.coordinator_address(job.metadata.name, spec, placement),
+            },
+            {"name": "JAX_NUM_PROCESSES", "value": str(shape.replicas * shape.pods)},
+            {"name": "POSTTRAIN_PODS_PER_JOB", "value": str(shape.pods)},
+            _job_index_env("POSTTRAIN_JOB_INDEX"),
+        ]
+        if placement.is_tpu and spec.resources.slices > 1:
+            js = names.jobset_name(job.metadata.name)
+            env += _megascale_env(
+                spec.resources.slices, f"{names.pod_hostname(js, 'slice', 0, 0)}.{js}"
+            )
+    if spec.hf_token_secret:
+        ref = spec.hf_token_secret
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    return env
+
+
+def _megascale_env(slices: int, coordinator: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
+        _job_index_env("MEGASCALE_SLICE_ID"),
+        {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": coordinator},
+    ]
+
+
+def _resources(job: PostTrainJob, placement: Placement, with_devices: bool) -> dict:
+    out: dict[str, dict[str, Any]] = {}
+    requests = {
+        k: v
+        for k, v in (("cpu", job.spec.resources.cpu), ("memory", job.spec.resources.memory))
+        if v
+    }
+    if requests:
+        out["requests"] = dict(requests)
+    if with_devices and placement.resource_name:
+        out["limits"] = {placement.resource_name: placement.devices_per_host}
+    return out
+
+
+def _trainer_container(
+    job: PostTrainJob, placement: Placement, config: RenderConfig, pathways_head: str | None
+) -> dict[str, Any]:
+    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    if job.spec.output.persistent_volume_claim:
+        mounts.append({"name": "output", "mountPath": job.spec.output.uri})
+    container = {
+        "name": "trainer",
+        "image": job.spec.image or config.trainer_image,
+        "command": ["posttrain", "train", "--config", CONFIG_FILE],
+        "env": _trainer_env(job, placement, pathways_head),
+        "ports": [{"name": "jax", "containerPort": names.JAX_COORDINATOR_PORT}],
+        "volumeMounts": mounts,
+    }
+    if resources := _resources(job, placement, with_devices=pathways_head is None):
+        container["resources"] = resources
+    return container
+
+
+def _volumes(job: PostTrainJob) -> list[dict[str, Any]]:
+    vols: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names.config_map_name(job.metadata.name)}}
+    ]
+    if claim := job.spec.output.persistent_volume_claim:
+        vols.append({"name": "output", "persistentVolumeClaim": {"claimName": claim}})
+    return vols
+
+
+def _placement_fields(placement: Placement) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if placement.node_selector:
+        fields["nodeSelector"] = dict(placement.node_selector)
+    if placement.resource_name:
+        fields["tolerations"] = [
+            {"key": placement.resource_name, "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    return fields
+
+
+def _pod_failure_policy(container: str | None) -> dict[str, Any]:
+    rules: list[dict[str, Any]] = []
+    if container:
+        rules.append(
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": container,
+                    "operator": "In",
+                    "values": [USER_ERROR_EXIT_CODE],
+                },
+            }
+        )
+    rules.append({"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]})
+    return {"rules": rules}
+
+
+def _replicated_job(
+    job: PostTrainJob,
+    shape: names.ReplicatedJobShape,
+    pod_spec: dict,
+    trainer_container: str | None,
+) -> dict[str, Any]:
+    return {
+        "name": shape.name,
+        "replicas": shape.replicas,
+        "template": {
+            "metadata": {"labels": common_labels(job)},
+            "spec": {
+                "parallelism": shape.pods,
+                "completions": shape.pods,
+                "completionMode": "Indexed",
+                "backoffLimit": 0,
+                "podFailurePolicy": _pod_failure_policy(trainer_container),
+                "template": {
+                    "metadata": {"labels": common_labels(job)},
+                    "spec": {"restartPolicy": "Never", **pod_spec},
+                },
+            },
+        },
+    }
+
+
+def _pod_common(job: PostTrainJob) -> dict[str, Any]:
+    spec: dict[str, Any] = {"serviceAccountName": trainer_service_account(job)}
+    if job.spec.scheduling.pod_priority_class_name:
+        spec["priorityClassName"] = job.spec.scheduling.pod_priority_class_name
+    return spec
+
+
+def trainer_service_account(job: PostTrainJob) -> str:
+    return f"{job.metadata.name}-trainer"
+
+
+def _direct_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) -> list[dict]:
+    (shape,) = names.replicated_jobs(job.spec, placement)
+    pod = {
+        **_pod_common(job),
+        **_placement_fields(placement),
+        "containers": [_trainer_container(job, placement, config, None)],
+        "volumes": _volumes(job),
+    }
+    return [_replicated_job(job, shape, pod, "trainer")]
+
+
+def _pathways_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) -> list[dict]:
+    spec = job.spec
+    head_shape, worker_shape = names.replicated_jobs(spec, placement)
+    js = names.jobset_name(job.metadata.name)
+    head = f"{names.pod_hostname(js, head_shape.name, 0, 0)}.{js}"
+    scratch = spec.resources.pathways.gcs_scratch_location or (
+        spec.output.uri.rstrip("/") + "/pathways-scratch"
+    )
+    server_image = spec.resources.pathways.server_image or config.pathways_server_image
+    proxy_image = spec.resources.pathways.proxy_image or config.pathways_proxy_image
+    rm = f"{head}:{PATHWAYS_RM_PORT}"
+    sidecars = [
+        {
+            "name": "pathways-rm",
+            "image": server_image,
+            "restartPolicy": "Always",
+            "args": [
+                f"--server_port={PATHWAYS_RM_PORT}",
+                "--node_type=resource_manager",
+                f"--instance_count={spec.resources.slices}",
+                f"--instance_type={placement.pathways_instance_type}",
+                f"--gcs_scratch_location={scratch}",
+            ],
+            "ports": [{"containerPort": PATHWAYS_RM_PORT}],
+        },
+        {
+            "name": "pathways-proxy",
+            "image": proxy_image,
+            "restartPolicy": "Always",
+            "args": [
+                f"--server_port={PATHWAYS_PROXY_PORT}",
+                f"--resource_manager_address={rm}",
+                f"--gcs_scratch_location={scratch}",
+            ],
+            "ports": [{"containerPort": PATHWAYS_PROXY_PORT}],
+        },
+    ]
+    head_pod = {
+        **_pod_common(job),
+        "initContainers": sidecars,
+        "containers": [_trainer_container(job, placement, config, head)],
+        "volumes": _volumes(job),
+    }
+    worker_pod = {
+        **_placement_fields(placement),
+        "containers": [
+            {
+                "name": "pathways-worker",
+                "image": server_image,
+                "args": [
+                    f"--server_port={PATHWAYS_WORKER_PORT}",
+                    f"--resource_manager_address={rm}",
+                    f"--gcs_scratch_location={scratch}",
+                ],
+                "env": _megascale_env(spec.resources.slices, head),
+                "ports": [{"containerPort": PATHWAYS_WORKER_PORT}],
+                "resources": {"limits": {placement.resource_name: placement.devices_per_host}},
+            }
+        ],
+    }
+    return [
+        _replicated_job(job, head_shape, head_pod, "trainer"),
+        _replicated_job(job, worker_shape, worker_pod, None),
+    ]
+
+
+def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig) -> dict:
+    """The JobSet manifest for a valid job (see `posttrain.api.validate`)."""
+    spec = job.spec
+    pathways = placement.is_tpu and spec.resources.pathways.enabled
+    labels: dict[str, str] = {}
+    if queue := spec.scheduling.queue or config.default_queue:
+        labels[KUEUE_QUEUE_LABEL] = queue
+    if spec.scheduling.priority_class:
+        labels[KUEUE_PRIORITY_LABEL] = spec.scheduling.priority_class
+    meta = object_meta(job, names.jobset_name(job.metadata.name), labels)
+    if placement.is_tpu:
+        meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    jobs = (_pathways_jobs if pathways else _direct_jobs)(job, placement, config)
+    first = jobs[0]["name"]
+    jobset_spec: dict[str, Any] = {
+        "suspend": spec.scheduling.suspend,
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "coordinator": {"replicatedJob": first, "jobIndex": 0, "podIndex": 0},
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [first]}
+        if pathways
+        else {"operator": "All"},
+        "failurePolicy": {
+            "maxRestarts": spec.scheduling.max_restarts,
+            "rules": [
+                {
+                    "name": "UserError",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                    "onJobFailureMessagePatterns": [USER_ERROR_PATTERN],
+                },
+                {
+                    "name": "Preemption",
+                    "action": "RestartJobSetAndIgnoreMaxRestarts",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                    "onJobFailureMessagePatterns": [DISRUPTION_PATTERN],
+                },
+            ],
+        },
+        "replicatedJobs": jobs,
+    }
+    if spec.scheduling.ttl_seconds_after_finished is not None:
+        jobset_spec["ttlSecondsAfterFinished"] = spec.scheduling.ttl_seconds_after_finished
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": meta,
+        "spec": jobset_spec,
+    }

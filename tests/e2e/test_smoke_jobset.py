@@ -1,0 +1,114 @@
+"""Smoke test of the local control plane: a 2-host TPU slice JobSet runs to Completed.
+
+JobSet controller -> Jobs, kube-controller-manager -> Pods, kube-scheduler -> kwok TPU
+nodes of one node pool, kwok -> Running -> Succeeded, JobSet -> Completed. The JobSet
+mutating webhook (served on 127.0.0.1 outside the cluster) must have defaulted the spec.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tests.cluster import Cluster, has_condition
+
+EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+NODEPOOL = "cloud.google.com/gke-nodepool"
+
+
+def tpu_slice_jobset(name: str) -> dict:
+    """One v6e 2x4 slice: 2 hosts x 4 chips, exclusive per node pool."""
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "annotations": {EXCLUSIVE: NODEPOOL}},
+        "spec": {
+            "replicatedJobs": [
+                {
+                    "name": "slice",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            "parallelism": 2,
+                            "completions": 2,
+                            "backoffLimit": 0,
+                            "template": {
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "nodeSelector": {
+                                        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                        "cloud.google.com/gke-tpu-topology": "2x4",
+                                    },
+                                    "tolerations": [
+                                        {
+                                            "key": "google.com/tpu",
+                                            "operator": "Exists",
+                                            "effect": "NoSchedule",
+                                        }
+                                    ],
+                                    "containers": [
+                                        {
+                                            "name": "main",
+                                            "image": "python:3.11-slim",
+                                            "command": ["python", "-c", "print('hello')"],
+                                            "resources": {
+                                                "requests": {"google.com/tpu": "4"},
+                                                "limits": {"google.com/tpu": "4"},
+                                            },
+                                        }
+                                    ],
+                                }
+                            },
+                        }
+                    },
+                }
+            ]
+        },
+    }
+
+
+@pytest.mark.e2e
+def test_tpu_slice_jobset_completes(cluster: Cluster, namespace: str) -> None:
+    cluster.apply(tpu_slice_jobset("smoke"), namespace)
+
+    # Defaults that only JobSet's mutating webhook sets (the CRD schema does not).
+    js = cluster.get_jobset("smoke", namespace)
+    job_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job_spec.get("completionMode") == "Indexed", json.dumps(js["spec"], indent=1)
+    assert js["spec"].get("network", {}).get("enableDNSHostnames") is True
+    assert js["spec"].get("successPolicy", {}).get("operator") == "All"
+
+    done = cluster.wait_for(
+        lambda: (
+            (j := cluster.get_jobset("smoke", namespace)) and has_condition(j, "Completed") and j
+        ),
+        timeout=120,
+        what="JobSet smoke to reach Completed",
+        describe=lambda: cluster.describe(namespace),
+    )
+    assert not has_condition(done, "Failed")
+
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+    assert len(pods) == 2, [p["metadata"]["name"] for p in pods]
+    assert {p["status"]["phase"] for p in pods} == {"Succeeded"}
+    assert sorted(
+        p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] for p in pods
+    ) == ["0", "1"]
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 2, f"two hosts expected, got {nodes}"
+    pools = {cluster.get("node", n)["metadata"]["labels"][NODEPOOL] for n in nodes}
+    assert len(pools) == 1, f"exclusive placement must keep the slice in one node pool: {pools}"
+    for p in pods:
+        assert p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] == "smoke"
+
+
+@pytest.mark.e2e
+def test_jobset_validation_webhook_rejects_bad_spec(cluster: Cluster, namespace: str) -> None:
+    """JobSet's validating webhook refuses a JobSet whose success policy names no job."""
+    bad = copy.deepcopy(tpu_slice_jobset("bad"))
+    bad["spec"]["successPolicy"] = {"operator": "All", "targetReplicatedJobs": ["does-not-exist"]}
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
+    assert proc.returncode != 0
+    assert "admission webhook" in proc.stderr and "does-not-exist" in proc.stderr, proc.stderr

@@ -1,0 +1,283 @@
+"""Invalid PostTrainJobs, shared by the unit tier (posttrain validate) and the
+integration tier (the real API server with the generated CRD).
+
+Each case changes one thing in a valid job and says which field the error must name.
+`server` is True when the CRD itself (schema or CEL) must refuse it; the others need the
+catalog or derived names, which the admission webhook checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def valid_job(name: str = "good-job") -> dict[str, Any]:
+    return {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": "/models/tiny"},
+            "data": {"source": "/data/train.jsonl"},
+            "output": {"uri": "/outputs/run"},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    mutate: Callable[[dict[str, Any]], None]
+    field: str  # the field path the error must name
+    message: str  # a part of the message
+    server: bool = True  # refused by the CRD (schema/CEL) on a real API server
+
+    def doc(self, name: str = "bad-job") -> dict[str, Any]:
+        d = copy.deepcopy(valid_job(name))
+        self.mutate(d)
+        return d
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    return mutate
+
+
+def _del(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = doc
+        for p in parents:
+            node = node[p]
+        del node[leaf]
+
+    return mutate
+
+
+def _all(*mutations: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        for m in mutations:
+            m(doc)
+
+    return mutate
+
+
+GRPO = {"rewards": [{"type": "exactAnswer"}]}
+
+CASES: list[Case] = [
+    Case("missing-model", _del("spec.model"), "spec.model", "required"),
+    Case("missing-data", _del("spec.data"), "spec.data", "required"),
+    Case("missing-output", _del("spec.output"), "spec.output", "required"),
+    Case("empty-model-source", _set("spec.model.source", ""), "spec.model.source", "at least 1"),
+    Case("unknown-technique", _set("spec.technique", "ppo"), "spec.technique", "sft"),
+    Case("bad-dtype", _set("spec.model.dtype", "int8"), "spec.model.dtype", "bfloat16"),
+    Case(
+        "lora-rank-zero",
+        _set("spec.lora", {"rank": 0}),
+        "spec.lora.rank",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "lora-alpha-negative", _set("spec.lora", {"alpha": -1}), "spec.lora.alpha", "greater than 0"
+    ),
+    Case(
+        "steps-zero",
+        _set("spec.training", {"steps": 0}),
+        "spec.training.steps",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "lr-zero",
+        _set("spec.training", {"learningRate": 0}),
+        "spec.training.learningRate",
+        "greater than 0",
+    ),
+    Case(
+        "batch-size-string",
+        _set("spec.training", {"batchSize": "eight"}),
+        "spec.training.batchSize",
+        "integer",
+    ),
+    Case("unknown-field", _set("spec.trainig", {"steps": 5}), "spec.trainig", "unknown field"),
+    Case(
+        "max-length-tiny",
+        _set("spec.data.maxLength", 4),
+        "spec.data.maxLength",
+        "greater than or equal to 8",
+    ),
+    Case(
+        "keep-zero",
+        _set("spec.checkpoint", {"keep": 0}),
+        "spec.checkpoint.keep",
+        "greater than or equal to 1",
+    ),
+    Case(
+        "grpo-with-sft",
+        _set("spec.grpo", GRPO),
+        "spec.grpo",
+        "only allowed when spec.technique is grpo",
+    ),
+    Case(
+        "grpo-without-block", _set("spec.technique", "grpo"), "spec.grpo", "needs a spec.grpo block"
+    ),
+    Case(
+        "grpo-no-rewards",
+        _all(_set("spec.technique", "grpo"), _set("spec.grpo", {"rewards": []})),
+        "spec.grpo.rewards",
+        "at least 1",
+    ),
+    Case(
+        "grpo-epsilon-too-big",
+        _all(_set("spec.technique", "grpo"), _set("spec.grpo", {**GRPO, "epsilon": 2})),
+        "spec.grpo.epsilon",
+        "less than or equal to 1",
+    ),
+    Case(
+        "python-reward-without-function",
+        _all(_set("spec.technique", "grpo"), _set("spec.grpo", {"rewards": [{"type": "python"}]})),
+        "spec.grpo.rewards[0].function",
+        "needs function",
+    ),
+    Case(
+        "regex-reward-without-pattern",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {"rewards": [{"type": "regexFormat"}]}),
+        ),
+        "spec.grpo.rewards[0].pattern",
+        "needs pattern",
+    ),
+    Case(
+        "reward-function-not-import-path",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {"rewards": [{"type": "python", "function": "not a path"}]}),
+        ),
+        "spec.grpo.rewards[0].function",
+        "match",
+    ),
+    Case(
+        "dpo-with-sft",
+        _set("spec.dpo", {"beta": 0.1}),
+        "spec.dpo",
+        "only allowed when spec.technique is dpo",
+    ),
+    Case(
+        "distill-without-block",
+        _set("spec.technique", "distill"),
+        "spec.distill",
+        "needs a spec.distill block",
+    ),
+    Case(
+        "adapter-export-without-lora",
+        _set("spec.output.exportHF", "adapter"),
+        "spec.output.exportHF",
+        "needs spec.lora",
+    ),
+    Case(
+        "pvc-with-relative-uri",
+        _set("spec.output", {"uri": "gs://bucket/out", "persistentVolumeClaim": "outputs"}),
+        "spec.output.uri",
+        "absolute mount path",
+    ),
+    Case(
+        "warmup-not-below-steps",
+        _set("spec.training", {"steps": 10, "warmupSteps": 10}),
+        "spec.training.warmupSteps",
+        "less than training.steps",
+    ),
+    Case(
+        "batch-not-multiple-of-accumulation",
+        _set("spec.training", {"batchSize": 10, "gradientAccumulation": 4}),
+        "spec.training.gradientAccumulation",
+        "multiple of",
+    ),
+    Case(
+        "pathways-on-gpu",
+        _set("spec.resources", {"accelerator": "nvidia-h100-80gb", "pathways": {"enabled": True}}),
+        "spec.resources.pathways",
+        "needs a TPU accelerator",
+    ),
+    Case(
+        "pathways-without-gcs",
+        _set("spec.resources", {"accelerator": "v6e-16", "pathways": {"enabled": True}}),
+        "spec.resources.pathways",
+        "gs:// scratch location",
+    ),
+    Case(
+        "slices-on-cpu",
+        _set("spec.resources", {"slices": 2}),
+        "spec.resources.slices",
+        "needs a TPU",
+    ),
+    Case(
+        "gpus-per-node-on-tpu",
+        _set("spec.resources", {"accelerator": "v5p-8", "gpusPerNode": 4}),
+        "spec.resources.gpusPerNode",
+        "nvidia-* accelerators only",
+    ),
+    Case(
+        "nodes-on-tpu",
+        _set("spec.resources", {"accelerator": "v6e-8", "nodes": 2}),
+        "spec.resources.nodes",
+        "host count comes from its size",
+    ),
+    Case(
+        "topology-not-a-shape",
+        _set("spec.resources", {"accelerator": "v6e-16", "topology": "banana"}),
+        "spec.resources.topology",
+        "match",
+    ),
+    # Only the catalog or the renderer knows these: the admission webhook refuses them.
+    Case(
+        "unknown-tpu-size",
+        _set("spec.resources.accelerator", "v6e-300"),
+        "spec.resources.accelerator",
+        "v6e-256",
+        server=False,
+    ),
+    Case(
+        "unknown-accelerator",
+        _set("spec.resources.accelerator", "tpu-v9-8"),
+        "spec.resources.accelerator",
+        "nvidia-h100-80gb",
+        server=False,
+    ),
+    Case(
+        "3d-topology-for-v6e",
+        _set("spec.resources", {"accelerator": "v6e-64", "topology": "4x4x4"}),
+        "spec.resources.topology",
+        "valid: 1x1, 2x2",
+        server=False,
+    ),
+    Case(
+        "too-many-gpus-per-node",
+        _set("spec.resources", {"accelerator": "nvidia-l4", "gpusPerNode": 12}),
+        "spec.resources.accelerator",
+        "at most 8 GPUs",
+        server=False,
+    ),
+    Case(
+        "name-too-long-for-pathways",
+        _all(
+            _set("metadata.name", "a-very-long-post-training-job-name-for-pathways-x"),
+            _set("spec.output.uri", "gs://b/o"),
+            _set(
+                "spec.resources",
+                {"accelerator": "v6e-256", "slices": 16, "pathways": {"enabled": True}},
+            ),
+        ),
+        "metadata.name",
+        "at most 45 characters",
+        server=False,
+    ),
+]

@@ -1,0 +1,61 @@
+"""posttrain validate: every invalid job is refused with an error naming its field."""
+
+import pytest
+from invalid_jobs import CASES, valid_job
+from posttrain.api.validate import FieldError, immutable_changes, validate
+
+
+def test_valid_job_has_no_errors():
+    job, errors = validate(valid_job())
+    assert errors == []
+    assert job is not None
+    assert job.spec.training.steps == 1000  # defaults filled in
+    assert job.spec.resources.accelerator == "cpu"
+
+
+def test_case_table_is_large_and_ids_unique():
+    assert len(CASES) >= 25
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_invalid_job_names_field(case):
+    _, errors = validate(case.doc())
+    assert errors, f"{case.id} was accepted"
+    matching = [e for e in errors if e.field == case.field]
+    assert matching, f"no error names {case.field}; got {[str(e) for e in errors]}"
+    assert any(case.message.lower() in e.message.lower() for e in matching), matching
+
+
+def test_wrong_kind_and_version():
+    doc = valid_job()
+    doc["apiVersion"] = "posttrain.dev/v1"
+    doc["kind"] = "TrainJob"
+    _, errors = validate(doc)
+    assert {e.field for e in errors} >= {"apiVersion", "kind"}
+
+
+def test_every_error_reported_at_once():
+    doc = valid_job()
+    doc["spec"]["training"] = {"steps": 0, "learningRate": -1}
+    doc["spec"]["lora"] = {"rank": 0}
+    _, errors = validate(doc)
+    fields = {e.field for e in errors}
+    assert {"spec.training.steps", "spec.training.learningRate", "spec.lora.rank"} <= fields
+
+
+def test_not_a_mapping():
+    _, errors = validate(["a", "list"])
+    assert errors == [FieldError("(document)", "expected a PostTrainJob mapping")]
+
+
+def test_immutable_changes_lists_changed_fields_only():
+    old = valid_job()["spec"]
+    new = valid_job()["spec"]
+    new["model"] = {"source": "/models/other"}
+    new["scheduling"] = {"suspend": True, "ttlSecondsAfterFinished": 60}
+    errors = immutable_changes(old, new)
+    assert [e.field for e in errors] == ["spec.model"]
+    assert "cannot change" in errors[0].message
+    new["scheduling"]["queue"] = "other"
+    assert "spec.scheduling.queue" in [e.field for e in immutable_changes(old, new)]
