@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from posttrain.api.validate import InvalidJob, load_job
+from posttrain.controller.options import add_arguments as add_operator_arguments
 from posttrain.yaml_out import dump_yaml
 
 
@@ -101,10 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_lazy("posttrain.trainer.main", "train_command"))
 
     p = sub.add_parser("operator", help="run the PostTrainJob controller")
-    p.add_argument("--namespace", "-n", action="append", help="watch these (default: all)")
-    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz")
-    p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--webhook-port", type=int, default=0, help="serve admission on this port")
+    add_operator_arguments(p)
     p.set_defaults(func=_lazy("posttrain.controller.main", "operator_command"))
     return parser
 

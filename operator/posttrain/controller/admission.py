@@ -1,0 +1,52 @@
+"""The validating admission webhook: checks the CRD's CEL cannot express.
+
+The API server has already applied the schema and CEL rules; this adds the accelerator
+catalog, derived name lengths, LoRA target patterns, and whether the job fits in
+accelerator memory. `admission_errors` is pure; the kopf handler only reports.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import kopf
+
+from posttrain import capacity, catalog
+from posttrain.api.spec import GROUP, PLURAL, VERSION
+from posttrain.api.validate import FieldError, immutable_changes, validate
+
+
+def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[FieldError]:
+    job, errors = validate(body)
+    if old:
+        errors += immutable_changes(old.get("spec") or {}, body.get("spec") or {})
+    if job is None or errors:
+        return errors
+    spec = job.spec
+    if spec.lora and spec.lora.target_modules:
+        try:
+            re.compile(spec.lora.target_modules)
+        except re.error as e:
+            errors.append(
+                FieldError("spec.lora.targetModules", f"not a valid regular expression: {e}")
+            )
+    res = spec.resources
+    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node)
+    estimate = capacity.estimate(spec, placement)
+    if estimate is not None and not estimate.fits:
+        errors.append(
+            FieldError(
+                "spec.resources.accelerator",
+                f"the job does not fit: {estimate.explain()}; use LoRA, a larger slice, "
+                "more slices or nodes, or a smaller batchSize/maxLength",
+            )
+        )
+    return errors
+
+
+@kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-posttrainjob.posttrain.dev")
+def validate_job(body: kopf.Body, old: Any, **_: Any) -> None:
+    errors = admission_errors(dict(body), dict(old) if old else None)
+    if errors:
+        raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)

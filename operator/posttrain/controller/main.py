@@ -1,0 +1,140 @@
+"""`posttrain operator`: leader election, metrics/health endpoint, then kopf.
+
+Settings come from flags, with environment defaults for the chart:
+POSTTRAIN_TRAINER_IMAGE, POSTTRAIN_PATHWAYS_SERVER_IMAGE, POSTTRAIN_PATHWAYS_PROXY_IMAGE,
+POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+
+import kopf
+from kubernetes import config as kube_config
+
+from posttrain.controller import handlers, metrics
+from posttrain.controller.leader import LeaseElector
+from posttrain.render import RenderConfig
+
+LEASE_NAME = "posttrain-operator"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line. Secrets never reach a log: the operator only ever
+    handles Secret references, never their values."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key in ("k8s_ref",):
+            if hasattr(record, key):
+                entry["object"] = str(getattr(record, key))
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("POSTTRAIN_LOG_LEVEL", "INFO"))
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+
+
+def _load_kube_config() -> None:
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()
+
+
+def _render_config() -> RenderConfig:
+    defaults = RenderConfig()
+    env = {
+        "trainer_image": "POSTTRAIN_TRAINER_IMAGE",
+        "pathways_server_image": "POSTTRAIN_PATHWAYS_SERVER_IMAGE",
+        "pathways_proxy_image": "POSTTRAIN_PATHWAYS_PROXY_IMAGE",
+        "default_queue": "POSTTRAIN_DEFAULT_QUEUE",
+    }
+    return dataclasses.replace(
+        defaults, **{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}
+    )
+
+
+def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="posttrain.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="posttrain.dev", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.execution.max_workers = 16
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 5
+    settings.watching.server_timeout = 120
+    settings.watching.reconnect_backoff = 1.0
+    if args.webhook_port:
+        from posttrain.controller import admission  # noqa: F401  (registers the handler)
+
+        settings.admission.server = kopf.WebhookServer(
+            addr=args.webhook_address,
+            port=args.webhook_port,
+            host=args.webhook_host,
+            certfile=args.webhook_cert,
+            pkeyfile=args.webhook_key,
+            cafile=args.webhook_ca,
+        )
+        if args.webhook_register:
+            settings.admission.managed = "posttrain.dev"
+    return settings
+
+
+def operator_command(args: argparse.Namespace) -> int:
+    _configure_logging()
+    _load_kube_config()
+    handlers.State.render_config = _render_config()
+    metrics.serve(args.metrics_port)
+    log = logging.getLogger("posttrain.operator")
+
+    stop = threading.Event()
+    elector = LeaseElector(args.lease_namespace, LEASE_NAME, args.identity)
+    log.info("waiting for lease %s/%s as %s", args.lease_namespace, LEASE_NAME, args.identity)
+    if not elector.wait_until_leader(stop, metrics.Heartbeat.beat):
+        return 0
+    metrics.LEADER.set(1)
+    lost = threading.Event()
+
+    def on_lost() -> None:
+        lost.set()
+        stop.set()
+
+    threading.Thread(
+        target=elector.hold, args=(stop, on_lost, metrics.Heartbeat.beat), daemon=True
+    ).start()
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or (),
+            settings=_settings(args),
+            stop_flag=stop,
+        )
+    finally:
+        stop.set()
+        metrics.LEADER.set(0)
+        if not lost.is_set():
+            elector.release()
+    return 1 if lost.is_set() else 0
