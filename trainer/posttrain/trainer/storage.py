@@ -1,0 +1,240 @@
+"""Reading and writing files by URI: local paths and gs://bucket/path.
+
+Data loading, checkpoints and the Hugging Face export all go through these functions,
+so every output location can be a local path, a mounted volume or Cloud Storage.
+gs:// goes through google-cloud-storage, which honours STORAGE_EMULATOR_HOST (tests
+point it at a local fake-gcs-server); credentials come from the environment
+(Workload Identity, GOOGLE_APPLICATION_CREDENTIALS), never from this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+GS_SCHEME = "gs://"
+
+
+class StorageError(OSError):
+    """A URI that cannot be read or written (bad form, missing object)."""
+
+
+def is_gcs(uri: str | os.PathLike[str]) -> bool:
+    """True for gs://bucket/path URIs."""
+    return str(uri).startswith(GS_SCHEME)
+
+
+def split_gcs(uri: str) -> tuple[str, str]:
+    """gs://bucket/a/b -> ("bucket", "a/b"); the object path has no leading slash."""
+    if not is_gcs(uri):
+        raise StorageError(f"{uri}: not a gs:// URI")
+    rest = uri[len(GS_SCHEME) :]
+    bucket, _, path = rest.partition("/")
+    if not bucket:
+        raise StorageError(f"{uri}: a gs:// URI needs a bucket name (gs://bucket/path)")
+    return bucket, path.strip("/")
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or gs:// URI with '/'."""
+    out = str(uri)
+    for part in parts:
+        part = str(part).strip("/")
+        if not part:
+            continue
+        out = out.rstrip("/") + "/" + part if out else part
+    return out
+
+
+def basename(uri: str) -> str:
+    """The last path component of a local path or URI."""
+    return str(uri).rstrip("/").rsplit("/", 1)[-1]
+
+
+# ---------------------------------------------------------------------------- gcs
+
+
+@functools.lru_cache(maxsize=4)
+def _client_for(emulator_host: str | None) -> Any:
+    from google.cloud import storage
+
+    # The client reads STORAGE_EMULATOR_HOST itself (anonymous credentials there);
+    # caching per emulator host keeps tests that change it correct.
+    return storage.Client()
+
+
+def gcs_client() -> Any:
+    """A google.cloud.storage.Client (cached; follows STORAGE_EMULATOR_HOST)."""
+    return _client_for(os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def _blob(uri: str) -> Any:
+    bucket, path = split_gcs(uri)
+    if not path:
+        raise StorageError(f"{uri}: names a bucket, not an object")
+    return gcs_client().bucket(bucket).blob(path)
+
+
+def _gcs_prefix_has_objects(uri: str) -> bool:
+    bucket, path = split_gcs(uri)
+    prefix = path + "/" if path else ""
+    blobs = gcs_client().list_blobs(bucket, prefix=prefix, max_results=1)
+    return any(True for _ in blobs)
+
+
+# ---------------------------------------------------------------------- functions
+
+
+def exists(uri: str | os.PathLike[str]) -> bool:
+    """True when uri is an existing file/object or a non-empty directory/prefix."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        return os.path.exists(uri)
+    bucket, path = split_gcs(uri)
+    if not path:
+        return gcs_client().bucket(bucket).exists()
+    return _blob(uri).exists() or _gcs_prefix_has_objects(uri)
+
+
+def is_dir(uri: str | os.PathLike[str]) -> bool:
+    """True for a local directory or a gs:// prefix that holds objects (and is not one)."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        return os.path.isdir(uri)
+    bucket, path = split_gcs(uri)
+    if not path:
+        return True
+    if uri.endswith("/"):
+        return _gcs_prefix_has_objects(uri)
+    return not _blob(uri).exists() and _gcs_prefix_has_objects(uri)
+
+
+def list_uri(uri: str | os.PathLike[str], *, recursive: bool = False) -> list[str]:
+    """Files under a directory (or gs:// prefix), as sorted full paths/URIs.
+
+    Non-recursive lists only the files directly in uri; recursive lists every file below.
+    A missing directory gives an empty list.
+    """
+    uri = str(uri)
+    if not is_gcs(uri):
+        root = Path(uri)
+        if not root.is_dir():
+            return []
+        it = root.rglob("*") if recursive else root.iterdir()
+        return sorted(str(p) for p in it if p.is_file())
+    bucket, path = split_gcs(uri)
+    prefix = path + "/" if path else ""
+    kwargs: dict[str, Any] = {"prefix": prefix}
+    if not recursive:
+        kwargs["delimiter"] = "/"
+    names = [b.name for b in gcs_client().list_blobs(bucket, **kwargs)]
+    return sorted(f"{GS_SCHEME}{bucket}/{n}" for n in names if not n.endswith("/"))
+
+
+@contextmanager
+def open_uri(uri: str | os.PathLike[str], mode: str = "rb", **kwargs: Any) -> Iterator[IO[Any]]:
+    """Open a local file or gs:// object like open(); 'w' modes create parent dirs."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        if any(m in mode for m in "wax"):
+            Path(uri).parent.mkdir(parents=True, exist_ok=True)
+        with open(uri, mode, **kwargs) as f:
+            yield f
+        return
+    blob = _blob(uri)
+    if "r" in mode and not blob.exists():
+        raise FileNotFoundError(f"{uri}: no such object")
+    with blob.open(mode, **kwargs) as f:
+        yield f
+
+
+def read_bytes(uri: str | os.PathLike[str]) -> bytes:
+    """The whole content of a file or gs:// object."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        return Path(uri).read_bytes()
+    from google.api_core import exceptions as gexc
+
+    try:
+        return _blob(uri).download_as_bytes()
+    except gexc.NotFound as e:
+        raise FileNotFoundError(f"{uri}: no such object") from e
+
+
+def read_text(uri: str | os.PathLike[str], encoding: str = "utf-8") -> str:
+    """read_bytes decoded as text."""
+    return read_bytes(uri).decode(encoding)
+
+
+def write_bytes(uri: str | os.PathLike[str], data: bytes) -> None:
+    """Write (replace) a file or gs:// object; local parent dirs are created."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        path = Path(uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return
+    _blob(uri).upload_from_string(data)
+
+
+def write_text(uri: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """write_bytes of encoded text."""
+    write_bytes(uri, text.encode(encoding))
+
+
+def delete(uri: str | os.PathLike[str], *, recursive: bool = False) -> None:
+    """Remove a file/object, or with recursive a whole directory/prefix. Missing is fine."""
+    uri = str(uri)
+    if not is_gcs(uri):
+        p = Path(uri)
+        if p.is_dir():
+            if not recursive:
+                raise StorageError(f"{uri}: is a directory (pass recursive=True)")
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+        return
+    targets = list_uri(uri, recursive=True) if recursive else []
+    bucket, path = split_gcs(uri)
+    if path and _blob(uri).exists():
+        targets.append(uri)
+    for t in targets:
+        _blob(t).delete()
+
+
+def download_dir(uri: str, local_dir: str | os.PathLike[str]) -> Path:
+    """Copy every file under uri (recursively) into local_dir; returns local_dir.
+
+    A local uri is copied too, so callers need not special-case it.
+    """
+    local = Path(local_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    root = str(uri).rstrip("/")
+    for f in list_uri(root, recursive=True):
+        rel = f[len(root) + 1 :]
+        dst = local / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if is_gcs(f):
+            _blob(f).download_to_filename(str(dst))
+        else:
+            shutil.copyfile(f, dst)
+    return local
+
+
+def upload_dir(local_dir: str | os.PathLike[str], uri: str) -> None:
+    """Copy every file under local_dir (recursively) to uri (gs:// or local)."""
+    root = Path(local_dir)
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        dst = join(uri, f.relative_to(root).as_posix())
+        if is_gcs(dst):
+            _blob(dst).upload_from_filename(str(f))
+        else:
+            Path(dst).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
