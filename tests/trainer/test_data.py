@@ -571,6 +571,16 @@ def test_shipped_example_datasets(tok):
     assert (d / "README.md").is_file()
 
 
+def test_example_datasets_match_their_generator(capsys):
+    import importlib.util
+
+    path = ROOT / "scripts" / "make_example_data.py"
+    spec = importlib.util.spec_from_file_location("make_example_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0, capsys.readouterr().out
+
+
 # -------------------------------------------------------------------------- gs://
 
 

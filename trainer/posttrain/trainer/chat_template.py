@@ -202,7 +202,8 @@ def assistant_spans(
             continue
         try:
             prefix = template.render(messages[:k], add_generation_prompt=True, **kwargs)
-            through = template.render(messages[: k + 1], **kwargs)
+            last = k == len(messages) - 1
+            through = text if last else template.render(messages[: k + 1], **kwargs)
         except ChatTemplateError:  # e.g. templates that refuse a conversation ending early
             prefix = through = None
         start = end = None

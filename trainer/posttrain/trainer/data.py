@@ -496,6 +496,21 @@ def _span_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndar
     return mask.astype(np.int32)
 
 
+def _encoding_span_mask(enc: Any, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """_span_mask of an Encoding: from the tokens holding each span's first and last
+    character (fast), or from all token offsets when a character maps to no token."""
+    mask = np.zeros(len(enc.ids), dtype=np.int32)
+    for a, b in spans:
+        if b <= a:
+            continue
+        t0, t1 = enc.char_to_token(a), enc.char_to_token(b - 1)
+        if t0 is None or t1 is None:
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            return _span_mask(offsets, spans)
+        mask[t0 : t1 + 1] = 1
+    return mask
+
+
 def render_conversation(
     template: ChatTemplate | None, conversation: list[dict[str, Any]], where: str
 ) -> tuple[str, list[tuple[int, int]], bool]:
@@ -552,7 +567,7 @@ def tokenize_sft(
     for i, enc in enumerate(encodings):
         ids = np.asarray(enc.ids, dtype=np.int32)
         if completion_only_loss:
-            mask = _span_mask(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans[i])
+            mask = _encoding_span_mask(enc, spans[i])
         else:
             mask = np.ones(len(ids), dtype=np.int32)
         if eos is not None:  # plain text: end the completion with EOS
