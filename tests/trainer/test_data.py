@@ -288,6 +288,8 @@ def test_chat_template_file_overrides_the_tokenizers(tok, tmp_path):
     # byte-level BPE merges the space after "assistant:" into " Answer": that token
     # holds completion text, so it is learnt
     assert _masked_text(tok, ex) == " Answer: 4.\n"
+    with pytest.raises(DataError, match=r"nope\.jinja: chat template file not found"):
+        tokenize_sft(ds, tok, chat_template=str(tmp_path / "nope.jinja"))
 
 
 def test_tokenizer_without_template_uses_plain_text_and_eos(tmp_path):

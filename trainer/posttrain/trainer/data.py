@@ -110,15 +110,18 @@ class Tokenizer:
     def template(self, override: str | None = None) -> ChatTemplate | None:
         """The chat template to use: the file `override` (spec.data.chatTemplate) when
         given, else the tokenizer's own, else None."""
-        if override:
-            source, origin = read_template_file(override), override
-        elif self.chat_template:
-            source, origin = self.chat_template, f"{self.origin}: chat_template"
-        else:
-            return None
-        return ChatTemplate(
-            source, bos_token=self.bos_token, eos_token=self.eos_token, origin=origin
-        )
+        try:
+            if override:
+                source, origin = read_template_file(override), override
+            elif self.chat_template:
+                source, origin = self.chat_template, f"{self.origin}: chat_template"
+            else:
+                return None
+            return ChatTemplate(
+                source, bos_token=self.bos_token, eos_token=self.eos_token, origin=origin
+            )
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from e
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
