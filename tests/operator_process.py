@@ -1,0 +1,123 @@
+"""Run `posttrain operator` as a real process against the local control plane.
+
+Tests start it, kill it (SIGKILL to test crash recovery), and read its logs and its
+/metrics and /healthz endpoint. The webhook variant serves admission on 127.0.0.1 with a
+self-signed certificate and registers itself with the API server.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A CA-less self-signed serving certificate for host (cert is its own CA)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, workdir: Path, lease_namespace: str, *extra: str, identity: str = "op"):
+        self.metrics_port = free_port()
+        self.log_path = workdir / f"operator-{identity}-{self.metrics_port}.log"
+        self.args = [
+            sys.executable, "-m", "posttrain.cli", "operator",
+            "--metrics-port", str(self.metrics_port),
+            "--lease-namespace", lease_namespace,
+            "--identity", identity,
+            *extra,
+        ]
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POSTTRAIN_TRAINER_IMAGE": "posttrain-trainer:test"}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait_leader: bool = True) -> OperatorProcess:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"operator exited {self.proc.returncode}:\n{self.logs()}")
+            if self.healthy() and (not wait_leader or self.metric("posttrain_leader") == 1.0):
+                return self
+            time.sleep(0.3)
+        raise AssertionError(f"operator did not become ready:\n{self.logs()}")
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=3) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    def healthy(self) -> bool:
+        return self.get("/healthz")[0] == 200
+
+    def metric(self, name: str, labels: str = "") -> float | None:
+        _, text = self.get("/metrics")
+        for line in text.splitlines():
+            if line.startswith(name + (("{" + labels + "}") if labels else " ")):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_log", None):
+            self._log.close()

@@ -1,0 +1,252 @@
+"""Run a PostTrainJob's training: load, (resume,) train, checkpoint, export.
+
+The same function runs in a JobSet pod (`posttrain train`) and on a laptop
+(`posttrain run`). Under `output.uri`:
+
+    checkpoints/<step>/   Orbax: trainable params, optimizer state, data position
+    tensorboard/          loss, learning rate, grad norm, tokens/s
+    hf/                   PEFT adapter (LoRA) or merged safetensors model
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.api.spec import PostTrainJob
+from posttrain.trainer import data, lora, models, optim, sft, storage
+from posttrain.trainer.checkpoint import Checkpoints
+from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.progress import Progress, StatusWriter
+
+log = logging.getLogger("posttrain.trainer")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+
+
+@dataclass
+class Result:
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss at log steps
+    resumed_from: int | None = None
+    stopped_early: bool = False
+    export_dir: str | None = None
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: finish the step, checkpoint, exit."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.event.set())
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+def local_model_dir(source: str, cache: Path) -> str:
+    """A local directory holding the model: the path itself, or a copy of gs:// / hf://."""
+    if storage.is_gcs(source):
+        target = cache / source.removeprefix("gs://").replace("/", "_")
+        if not (target / "config.json").exists():
+            storage.download_dir(source, target)
+        return str(target)
+    if source.startswith("hf://"):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError as e:
+            raise ValueError("spec.model.source: hf:// needs the huggingface_hub package") from e
+        return snapshot_download(source.removeprefix("hf://"), cache_dir=str(cache))
+    if not Path(source).is_dir():
+        raise FileNotFoundError(f"spec.model.source: {source} is not a directory")
+    return source
+
+
+def _global_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """Per-host rows -> global arrays, batch dimension sharded over every device."""
+    devices = mesh.devices.size
+    rows = batch["input_ids"].shape[0] * jax.process_count()
+    spec = (
+        jax.sharding.PartitionSpec(("fsdp", "tp"))
+        if rows % devices == 0
+        else jax.sharding.PartitionSpec()
+    )
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
+
+
+def _trainable(model: nnx.Module, wrt: Any, opt: nnx.Optimizer) -> dict[str, Any]:
+    return {"params": nnx.state(model, wrt).to_pure_dict(), "opt": nnx.state(opt).to_pure_dict()}
+
+
+def _restore_into(
+    model: nnx.Module, wrt: Any, opt: nnx.Optimizer, restored: dict[str, Any]
+) -> None:
+    params = nnx.state(model, wrt)
+    nnx.replace_by_pure_dict(params, restored["params"])
+    nnx.update(model, params)
+    opt_state = nnx.state(opt)
+    nnx.replace_by_pure_dict(opt_state, restored["opt"])
+    nnx.update(opt, opt_state)
+
+
+class OutputDir:
+    """A local directory that mirrors to output.uri when that is gs://."""
+
+    def __init__(self, uri: str, name: str, scratch: Path):
+        self.uri = storage.join(uri, name)
+        self.remote = storage.is_gcs(uri)
+        self.local = (scratch / name) if self.remote else Path(self.uri)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def sync(self) -> None:
+        if self.remote and jax.process_index() == 0:
+            storage.upload_dir(self.local, self.uri)
+
+
+def train(
+    job: PostTrainJob, process: ProcessInfo, *, show_bar: bool = True, stop: StopFlag | None = None
+) -> Result:
+    """Train the job to spec.training.steps (or until stopped), resuming if a checkpoint
+    exists under output.uri/checkpoints."""
+    spec = job.spec
+    if spec.technique != "sft":
+        raise ValueError(
+            f"spec.technique: {spec.technique} is not available in this trainer yet (sft is)"
+        )
+    stop = stop or StopFlag()
+    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
+    is_main = jax.process_index() == 0
+
+    mesh = models.make_mesh()
+    # Full fine-tunes keep float32 master weights; LoRA keeps the frozen base in model.dtype.
+    param_dtype = DTYPES[spec.model.dtype] if spec.lora else jnp.float32
+    model_dir = local_model_dir(spec.model.source, Path.home() / ".cache" / "posttrain" / "models")
+    model, info = models.load_model(
+        model_dir, family=spec.model.family, mesh=mesh, dtype=param_dtype
+    )
+    wrt: Any = nnx.Param
+    if spec.lora:
+        model = lora.apply_lora(
+            model,
+            spec.lora.rank,
+            spec.lora.alpha,
+            spec.lora.target_modules,
+            mesh,
+            seed=spec.training.seed,
+        )
+        if spec.lora.restore_from:
+            lora.load_peft_adapter(
+                model, local_model_dir(spec.lora.restore_from, scratch / "adapter")
+            )
+        wrt = nnx.LoRAParam
+
+    tokenizer = data.load_tokenizer(model_dir)
+    loader = data.build_loader(
+        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
+    )
+    schedule = optim.learning_rate_schedule(spec.training)
+    opt = nnx.Optimizer(model, optim.optimizer(spec.training), wrt=wrt)
+
+    checkpoints = Checkpoints(
+        storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep, spec.checkpoint.async_
+    )
+    result = Result(step=0)
+    restored = checkpoints.restore_latest(_trainable(model, wrt, opt))
+    if restored is not None:
+        _restore_into(model, wrt, opt, restored.state)
+        loader.set_state(restored.data_state)
+        result.step = result.resumed_from = restored.step
+        log.info("resumed from checkpoint step %d", restored.step)
+
+    tensorboard = OutputDir(spec.output.uri, "tensorboard", scratch)
+    total = spec.training.steps
+    progress = Progress(
+        total,
+        result.step,
+        is_main,
+        str(tensorboard.local),
+        StatusWriter.from_env() if is_main else None,
+        show_bar,
+    )
+    step_fn = sft.make_train_step(wrt, spec.training.gradient_accumulation)
+    metrics: dict[str, float] = {}
+    window_start, window_tokens = time.monotonic(), 0
+    with jax.set_mesh(mesh):
+        while result.step < total and not stop:
+            batch = _global_batch(next(loader), mesh)
+            loss, grad_norm, _, seen = step_fn(model, opt, batch)
+            result.step += 1
+            window_tokens += int(seen)
+            log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
+            if log_now:
+                elapsed = max(time.monotonic() - window_start, 1e-9)
+                metrics = {
+                    "loss": float(loss),
+                    "learning_rate": float(schedule(result.step - 1)),
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_second": window_tokens / elapsed,
+                }
+                result.losses[result.step] = metrics["loss"]
+                window_start, window_tokens = time.monotonic(), 0
+            progress.step(result.step, metrics, log_now)
+            if result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop:
+                checkpoints.save(
+                    result.step,
+                    _trainable(model, wrt, opt),
+                    loader.get_state(),
+                    {"loss": float(loss)},
+                )
+                progress.checkpointed(result.step)
+                tensorboard.sync()
+    checkpoints.close()
+    result.stopped_early = result.step < total
+    if not result.stopped_early:
+        result.export_dir = _export(job, model, info, scratch)
+    progress.close(result.step, metrics)
+    tensorboard.sync()
+    return result
+
+
+def _export(
+    job: PostTrainJob, model: nnx.Module, info: models.ModelInfo, scratch: Path
+) -> str | None:
+    spec = job.spec
+    kind = spec.output.export_hf
+    if kind == "auto":
+        kind = "adapter" if spec.lora else "merged"
+    if kind == "none":
+        return None
+    out = OutputDir(spec.output.uri, "hf", scratch)
+    if kind == "adapter":
+        lora.save_peft_adapter(model, out.local, info, base_model_name=spec.model.source)
+    else:
+        models.save_hf(model, out.local, info)
+    if jax.process_index() == 0:
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            source = Path(info.model_dir) / name
+            if source.exists() and not (out.local / name).exists():
+                (out.local / name).write_bytes(source.read_bytes())
+    out.sync()
+    return out.uri

@@ -1,0 +1,90 @@
+"""`posttrain run` (local) and `posttrain train` (in a pod): the same training, two doors.
+
+Exit codes: 0 done; 65 (USER_ERROR_EXIT_CODE) an error in the job's own input, which the
+JobSet does not retry; 143 stopped by SIGTERM after saving a checkpoint (the JobSet
+restarts the job, which resumes from it); anything else is a crash worth a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
+from posttrain.api.validate import InvalidJob, load_job
+
+STOPPED_EXIT_CODE = 143
+log = logging.getLogger("posttrain.trainer")
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Errors the job's author must fix: they name a spec field, file or column."""
+    from posttrain.trainer.chat_template import ChatTemplateError
+    from posttrain.trainer.data import DataError
+
+    if isinstance(e, InvalidJob | DataError | ChatTemplateError):
+        return True
+    return isinstance(e, ValueError | FileNotFoundError) and "spec." in str(e)
+
+
+def _run(job: PostTrainJob, show_bar: bool) -> int:
+    from posttrain.trainer import distributed
+
+    info = distributed.process_info()
+    distributed.initialize(info)
+    from posttrain.trainer.loop import StopFlag, train
+
+    stop = StopFlag()
+    stop.install()
+    try:
+        result = train(job, info, show_bar=show_bar, stop=stop)
+    except Exception as e:
+        if is_user_error(e):
+            print(f"posttrain: {e}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
+        raise
+    if result.stopped_early:
+        log.warning("stopped at step %d after saving a checkpoint", result.step)
+        return STOPPED_EXIT_CODE
+    if result.export_dir:
+        log.info("exported to %s", result.export_dir)
+    return 0
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("absl", "jax._src", "orbax", "urllib3", "kubernetes"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """Inside a pod: read the ConfigMap's job.json."""
+    _setup_logging()
+    try:
+        job = load_job(args.config)
+    except (InvalidJob, OSError) as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    return _run(job, show_bar=False)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """On one machine: the same PostTrainJob YAML, with a progress bar."""
+    _setup_logging()
+    try:
+        job = load_job(args.file)
+    except (InvalidJob, OSError) as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    if args.output:
+        job.spec.output.uri = args.output
+    if args.steps:
+        job.spec.training.steps = args.steps
+    print(
+        f"posttrain: training {job.metadata.name} -> {Path(job.spec.output.uri)}", file=sys.stderr
+    )
+    return _run(job, show_bar=True)

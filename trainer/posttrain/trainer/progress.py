@@ -1,0 +1,151 @@
+"""Where progress goes: a progress bar locally, TensorBoard scalars, and (in a cluster)
+the PostTrainJob's status.progress, written by process 0 only.
+
+In a pod the trainer knows its job from POSTTRAIN_JOB_NAME / POSTTRAIN_JOB_NAMESPACE and
+reaches the API server with the pod's ServiceAccount, whose Role allows patching this one
+job's status and nothing else. A failed status write never stops training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+log = logging.getLogger("posttrain.progress")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class StatusWriter:
+    """Merge-patches status.progress of one PostTrainJob."""
+
+    def __init__(self, name: str, namespace: str):
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.api = client.CustomObjectsApi()
+        self.name, self.namespace = name, namespace
+
+    @classmethod
+    def from_env(cls) -> StatusWriter | None:
+        name, namespace = (
+            os.environ.get("POSTTRAIN_JOB_NAME"),
+            os.environ.get("POSTTRAIN_JOB_NAMESPACE"),
+        )
+        if not (name and namespace):
+            return None
+        try:
+            return cls(name, namespace)
+        except Exception as e:  # noqa: BLE001 - no cluster access: report locally only
+            log.warning("cannot report progress to PostTrainJob %s/%s: %s", namespace, name, e)
+            return None
+
+    def patch(self, progress: dict[str, Any]) -> None:
+        from posttrain.api.spec import GROUP, PLURAL, VERSION
+
+        try:
+            self.api.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                self.namespace,
+                PLURAL,
+                self.name,
+                {"status": {"progress": progress}},
+            )
+        except Exception as e:  # noqa: BLE001 - progress is best effort
+            log.warning("progress update for %s/%s failed: %s", self.namespace, self.name, e)
+
+
+class Progress:
+    """Reports training progress; every method is a no-op on processes other than 0."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        is_main: bool,
+        tensorboard_dir: str | None,
+        status: StatusWriter | None = None,
+        show_bar: bool = True,
+        status_interval_s: float = 10.0,
+    ):
+        self.total, self.is_main = total_steps, is_main
+        self.status = status if is_main else None
+        self.status_interval_s = status_interval_s
+        self._last_status = 0.0
+        self._start_time, self._start_step = time.monotonic(), start_step
+        self.last_checkpoint_step: int | None = None
+        self.writer = None
+        self.bar = None
+        if not is_main:
+            return
+        if tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir, flush_secs=10)
+        if show_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def eta_seconds(self, step: int) -> int | None:
+        done = step - self._start_step
+        if done <= 0:
+            return None
+        per_step = (time.monotonic() - self._start_time) / done
+        return int(per_step * (self.total - step))
+
+    def step(self, step: int, metrics: dict[str, float], log_now: bool) -> None:
+        """Called after every optimizer step; metrics are written when log_now."""
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if log_now:
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
+        if not log_now:
+            return
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+        now = time.monotonic()
+        if self.status is not None and (
+            now - self._last_status >= self.status_interval_s or step == self.total
+        ):
+            self._last_status = now
+            self.status.patch(self._progress(step, metrics))
+
+    def _progress(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": step, "totalSteps": self.total, "updatedAt": _now()}
+        names = {
+            "loss": "loss",
+            "learning_rate": "learningRate",
+            "tokens_per_second": "tokensPerSecond",
+        }
+        out.update({wire: float(metrics[k]) for k, wire in names.items() if k in metrics})
+        if (eta := self.eta_seconds(step)) is not None:
+            out["etaSeconds"] = eta
+        if self.last_checkpoint_step is not None:
+            out["lastCheckpointStep"] = self.last_checkpoint_step
+        return out
+
+    def checkpointed(self, step: int) -> None:
+        self.last_checkpoint_step = step
+
+    def close(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        if self.status is not None:
+            self.status.patch(self._progress(step, metrics))
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
