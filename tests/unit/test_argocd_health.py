@@ -66,7 +66,9 @@ def to_lua(value: Any) -> str:
     if isinstance(value, list):
         return "{" + ", ".join(to_lua(v) for v in value) + "}"
     if isinstance(value, dict):
-        items = [f"[{_lua_string(str(k))}] = {to_lua(v)}" for k, v in value.items() if v is not None]
+        items = [
+            f"[{_lua_string(str(k))}] = {to_lua(v)}" for k, v in value.items() if v is not None
+        ]
         return "{" + ", ".join(items) + "}"
     raise TypeError(f"not a JSON value: {value!r}")
 
@@ -238,9 +240,7 @@ def test_snippet_runs_as_embedded(tmp_path: Path) -> None:
 
 def test_script_avoids_lua53_only_syntax() -> None:
     """Argo CD's gopher-lua is Lua 5.1: no integer division, bitwise operators or goto."""
-    code = "\n".join(
-        line.split("--", 1)[0] for line in LUA_SCRIPT.read_text().splitlines()
-    )
+    code = "\n".join(line.split("--", 1)[0] for line in LUA_SCRIPT.read_text().splitlines())
     for token in ("//", "goto", "<<", ">>", "&", "|"):
         assert token not in code, token
 

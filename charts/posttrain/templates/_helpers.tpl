@@ -19,10 +19,10 @@ contains the chart name (release "posttrain" gives "posttrain"). */}}
 {{- end -}}
 {{- end -}}
 
-{{/* Cluster-scoped objects (ClusterRole, webhook configuration) carry the namespace too,
-so releases of the same name in two namespaces do not collide. */}}
+{{/* Cluster-scoped objects (ClusterRole/Binding, webhook configuration). One operator
+serves the whole cluster, so the release's full name is enough. */}}
 {{- define "posttrain.clusterName" -}}
-{{- printf "%s-%s" (include "posttrain.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
+{{- include "posttrain.fullname" . -}}
 {{- end -}}
 
 {{- define "posttrain.chart" -}}
