@@ -148,18 +148,18 @@ def pip_installs(stage: Stage) -> list[PipInstall]:
     return out
 
 
+def copy_sources_of(ins: Instruction) -> tuple[list[str], str]:
+    """(sources, destination) of a COPY/ADD; no sources for `--from=<stage>` copies."""
+    words = shlex.split(ins.value)
+    if any(w.startswith("--from") for w in words):
+        return [], words[-1]
+    words = [w for w in words if not w.startswith("--")]
+    return words[:-1], words[-1]
+
+
 def copy_sources(stage: Stage) -> list[tuple[list[str], str]]:
     """(sources, destination) of each COPY/ADD from the build context."""
-    out = []
-    for ins in stage.instructions:
-        if ins.cmd not in ("COPY", "ADD"):
-            continue
-        words = shlex.split(ins.value)
-        if any(w.startswith("--from") for w in words):
-            continue
-        words = [w for w in words if not w.startswith("--")]
-        out.append((words[:-1], words[-1]))
-    return out
+    return [copy_sources_of(i) for i in stage.instructions if i.cmd in ("COPY", "ADD")]
 
 
 def read_constraints(path: Path) -> dict[str, str]:
