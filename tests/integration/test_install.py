@@ -181,6 +181,18 @@ def test_kustomize_production_with_webhook_component(apiserver: Cluster, tmp_pat
     assert "(server dry run)" in server_dry_run(apiserver, rest)
 
 
+@pytest.mark.parametrize("path", ["tpu-v6e.yaml", "gpu-h100.yaml"])
+def test_kueue_examples_server_dry_run(apiserver: Cluster, namespace: str, path: str) -> None:
+    """manifests/kueue/*.yaml against the real Kueue CRDs (LocalQueue moved to a test
+    namespace)."""
+    docs = docs_of((MANIFESTS / "kueue" / path).read_text())
+    for d in docs:
+        if d["kind"] == "LocalQueue":
+            d["metadata"]["namespace"] = namespace
+    out = apiserver.kubectl("apply", "--dry-run=server", "-f", "-", input=dump(docs)).stdout
+    assert out.count("(server dry run)") == len(docs), out
+
+
 # -- helm install, upgrade, uninstall -----------------------------------------------------
 
 

@@ -651,3 +651,40 @@ def test_production_overlay() -> None:
     (pdb,) = load_yaml_docs(MANIFESTS / "overlays" / "production" / "pdb.yaml")
     assert pdb["kind"] == "PodDisruptionBudget"
     assert pdb["spec"] == strip_helm(find(template(), "PodDisruptionBudget"))["spec"]
+
+
+# -- Kueue examples (manifests/kueue) match what the renderer asks for -------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "accelerator", "example"),
+    [
+        ("tpu-v6e.yaml", "v6e-256", "sft-qwen3-v6e-256-pathways.yaml"),
+        ("gpu-h100.yaml", "nvidia-h100-80gb", None),
+    ],
+)
+def test_kueue_flavors_match_the_renderer(path: str, accelerator: str, example: str | None) -> None:
+    from posttrain import catalog
+
+    docs = load_yaml_docs(MANIFESTS / "kueue" / path)
+    placement = catalog.resolve(accelerator, None, None)
+    flavors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ResourceFlavor"}
+    labelled = [f for f in flavors.values() if f.get("spec", {}).get("nodeLabels")]
+    (flavor,) = labelled
+    assert flavor["spec"]["nodeLabels"] == placement.node_selector
+    (cq,) = [d for d in docs if d["kind"] == "ClusterQueue"]
+    groups = cq["spec"]["resourceGroups"]
+    accel_group = [g for g in groups if placement.resource_name in g["coveredResources"]]
+    assert len(accel_group) == 1 and accel_group[0]["coveredResources"] == [placement.resource_name]
+    assert [f["name"] for f in accel_group[0]["flavors"]] == [flavor["metadata"]["name"]]
+    for g in groups:
+        for f in g["flavors"]:
+            assert f["name"] in flavors
+    (lq,) = [d for d in docs if d["kind"] == "LocalQueue"]
+    assert lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
+    if example:
+        job = yaml.safe_load((ROOT / "examples" / example).read_text())
+        assert job["spec"]["scheduling"]["queue"] == lq["metadata"]["name"]
+        assert job["metadata"]["namespace"] == lq["metadata"]["namespace"]
+        wpcs = {d["metadata"]["name"] for d in docs if d["kind"] == "WorkloadPriorityClass"}
+        assert job["spec"]["scheduling"]["priorityClass"] in wpcs
