@@ -108,10 +108,10 @@ def _kube_ldflags() -> str:
 class Component:
     """One `build` unit: a pinned version producing one or more binaries."""
 
-    name: str
+    name: str  # also the build module folder: scripts/control-plane/<name>/
     version: str
     binaries: tuple[str, ...]
-    kind: str  # "module" (build module under scripts/control-plane/) or "install"
+    module: str  # the Go module required at `version`
     packages: tuple[str, ...]  # Go package per binary (same order as binaries)
     ldflags: str = "-s -w"
 
@@ -121,38 +121,40 @@ COMPONENTS: tuple[Component, ...] = (
         "kubernetes",
         KUBERNETES_VERSION,
         ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"),
-        "module",
+        "k8s.io/kubernetes",
         tuple(
             f"k8s.io/kubernetes/cmd/{c}"
             for c in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
         ),
         _kube_ldflags(),
     ),
-    Component("etcd", ETCD_VERSION, ("etcd",), "module", ("go.etcd.io/etcd/server/v3",)),
+    Component(
+        "etcd", ETCD_VERSION, ("etcd",), "go.etcd.io/etcd/server/v3", ("go.etcd.io/etcd/server/v3",)
+    ),
     Component(
         "kwok",
         KWOK_VERSION,
         ("kwok", "kwokctl"),
-        "install",
+        "sigs.k8s.io/kwok",
         ("sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok/cmd/kwokctl"),
     ),
     Component(
         "jobset",
         JOBSET_VERSION,
         ("jobset",),
-        "install",
-        ("sigs.k8s.io/jobset",),
+        "sigs.k8s.io/jobset",
+        ("sigs.k8s.io/jobset",),  # the controller's main sits at the module root
         f"-s -w -X sigs.k8s.io/jobset/pkg/version.GitVersion={JOBSET_VERSION}",
     ),
     Component(
         "kueue",
         KUEUE_VERSION,
         ("kueue",),
-        "install",
+        "sigs.k8s.io/kueue",
         ("sigs.k8s.io/kueue/cmd/kueue",),
         f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE_VERSION}",
     ),
-    Component("helm", HELM_VERSION, ("helm",), "install", ("helm.sh/helm/v3/cmd/helm",)),
+    Component("helm", HELM_VERSION, ("helm",), "helm.sh/helm/v3", ("helm.sh/helm/v3/cmd/helm",)),
 )
 
 # Binaries each tier needs (`ensure_built` checks these).
@@ -273,68 +275,51 @@ def _staging_modules(kube_version: str) -> list[str]:
     return mods
 
 
-def _write_kubernetes_module(moddir: Path) -> None:
-    staging_version = "v0." + KUBERNETES_VERSION.lstrip("v").split(".", 1)[1]
+def _replaces(component: Component) -> list[str]:
+    """Modules the main module's own go.mod replaces with local paths, pinned to tags."""
+    if component.name == "kubernetes":
+        staging = "v0." + component.version.lstrip("v").split(".", 1)[1]
+        return [f"{m} => {m} {staging}" for m in _staging_modules(component.version)]
+    if component.name == "etcd":
+        mods = ("api/v3", "client/pkg/v3", "client/v3", "pkg/v3")
+        return [f"go.etcd.io/etcd/{m} => go.etcd.io/etcd/{m} {component.version}" for m in mods]
+    return []
+
+
+def _write_build_module(component: Component, moddir: Path) -> None:
     lines = [
-        "// Build module for kube-apiserver, kube-controller-manager, kube-scheduler, kubectl.",
-        "// Written by scripts/control_plane.py from KUBERNETES_VERSION; go.sum is the lock.",
-        "module posttrain.dev/control-plane/kubernetes",
+        f"// Build module for {', '.join(component.binaries)}: written by",
+        "// scripts/control_plane.py from its pinned versions; go.sum is the lock.",
+        f"module posttrain.dev/control-plane/{component.name}",
         "",
         "go 1.26.0",
         "",
-        f"require k8s.io/kubernetes {KUBERNETES_VERSION}",
-        "",
-        "replace (",
-        *[f"\t{m} => {m} {staging_version}" for m in _staging_modules(KUBERNETES_VERSION)],
-        ")",
-        "",
-        "tool (",
-        *[f"\t{p}" for p in COMPONENTS[0].packages],
-        ")",
+        f"require {component.module} {component.version}",
         "",
     ]
-    (moddir / "go.mod").write_text("\n".join(lines))
-
-
-def _write_etcd_module(moddir: Path) -> None:
-    v = ETCD_VERSION
-    lines = [
-        "// Build module for etcd. Written by scripts/control_plane.py from ETCD_VERSION.",
-        "module posttrain.dev/control-plane/etcd",
-        "",
-        "go 1.26.0",
-        "",
-        f"require go.etcd.io/etcd/server/v3 {v}",
-        "",
-        "// server/v3's own go.mod replaces these with ../ paths; pin them to the same tag.",
-        "replace (",
-        *[
-            f"\tgo.etcd.io/etcd/{m} => go.etcd.io/etcd/{m} {v}"
-            for m in ("api/v3", "client/pkg/v3", "client/v3", "pkg/v3")
-        ],
-        ")",
-        "",
-        "tool go.etcd.io/etcd/server/v3",
-        "",
-    ]
+    if replaces := _replaces(component):
+        lines += ["replace (", *[f"\t{r}" for r in replaces], ")", ""]
+    lines += ["tool (", *[f"\t{p}" for p in component.packages], ")", ""]
     (moddir / "go.mod").write_text("\n".join(lines))
 
 
 def _ensure_build_module(component: Component) -> Path:
+    """scripts/control-plane/<name>/ requiring the pinned module (rewritten on a bump).
+
+    A build module rather than `go install pkg@version`: k8s.io/kubernetes and etcd's
+    server module replace modules with local paths (not installable), and `go install
+    @version` also reads the module's version list, which some proxies refuse. With the
+    pinned module as the only requirement, minimal version selection picks exactly the
+    versions in that module's own go.mod.
+    """
     moddir = BUILD_MODULES / component.name
     moddir.mkdir(parents=True, exist_ok=True)
     gomod = moddir / "go.mod"
-    main_module = {"kubernetes": "k8s.io/kubernetes", "etcd": "go.etcd.io/etcd/server/v3"}[
-        component.name
-    ]
-    pinned = f"{main_module} {component.version}"
+    pinned = f"{component.module} {component.version}"
     if gomod.is_file() and pinned in gomod.read_text() and (moddir / "go.sum").is_file():
         return moddir
     log(f"writing build module {moddir.relative_to(ROOT)} for {pinned}")
-    if component.name == "kubernetes":
-        _write_kubernetes_module(moddir)
-    else:
-        _write_etcd_module(moddir)
+    _write_build_module(component, moddir)
     _go("mod", "tidy", cwd=moddir)
     return moddir
 
@@ -342,36 +327,12 @@ def _ensure_build_module(component: Component) -> Path:
 def _build_component(component: Component, binaries: Sequence[str]) -> None:
     BIN_DIR.mkdir(parents=True, exist_ok=True)
     pkgs = [component.packages[component.binaries.index(b)] for b in binaries]
-    if component.kind == "module":
-        moddir = _ensure_build_module(component)
-        if len(pkgs) == 1:
-            _go(
-                "build",
-                f"-ldflags={component.ldflags}",
-                "-o",
-                str(BIN_DIR / binaries[0]),
-                pkgs[0],
-                cwd=moddir,
-            )
-        else:
-            _go(
-                "build",
-                f"-ldflags={component.ldflags}",
-                "-o",
-                str(BIN_DIR) + "/",
-                *pkgs,
-                cwd=moddir,
-            )
-    else:
-        # `go install pkg@version` builds with the module's own go.mod/go.sum. The JobSet
-        # main sits at its module root, so its binary is named `jobset`.
-        _go(
-            "install",
-            f"-ldflags={component.ldflags}",
-            *[f"{p}@{component.version}" for p in pkgs],
-            cwd=BIN_DIR,
-            env={"GOBIN": str(BIN_DIR)},
-        )
+    moddir = _ensure_build_module(component)
+    ldflags = f"-ldflags={component.ldflags}"
+    if len(pkgs) == 1:
+        _go("build", ldflags, "-o", str(BIN_DIR / binaries[0]), pkgs[0], cwd=moddir)
+    else:  # one go command: packages compile once, binaries link in parallel
+        _go("build", ldflags, "-o", str(BIN_DIR) + "/", *pkgs, cwd=moddir)
     for b in binaries:
         if not (BIN_DIR / b).is_file():
             raise ControlPlaneError(f"build of {component.name} produced no {BIN_DIR / b}")
@@ -648,17 +609,25 @@ def _write_kubeconfig(apiserver_port: int) -> None:
 class State:
     ports: dict[str, int] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # component -> "cli" | "pytest"
+    crd_hash: str = ""  # what install_crds applied last
 
     @classmethod
     def load(cls) -> State:
         if STATE_FILE.is_file():
             data = json.loads(STATE_FILE.read_text())
-            return cls(ports=data.get("ports", {}), owners=data.get("owners", {}))
+            return cls(
+                ports=data.get("ports", {}),
+                owners=data.get("owners", {}),
+                crd_hash=data.get("crd_hash", ""),
+            )
         return cls()
 
     def save(self) -> None:
         RUN_DIR.mkdir(parents=True, exist_ok=True)
-        STATE_FILE.write_text(json.dumps({"ports": self.ports, "owners": self.owners}, indent=2))
+        data = {"ports": self.ports, "owners": self.owners, "crd_hash": self.crd_hash}
+        tmp = STATE_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(STATE_FILE)
 
     def port(self, name: str) -> int:
         if name not in self.ports:
@@ -867,33 +836,38 @@ def crd_files() -> list[Path]:
     return files
 
 
-def install_crds(extra: Iterable[Path] = ()) -> list[Path]:
-    """Apply the CRDs (server-side) and wait until they are Established."""
-    import yaml
+def install_crds(
+    extra: Iterable[Path] = (), *, force: bool = False, state: State | None = None
+) -> list[Path]:
+    """Apply the CRDs (server-side) and wait until they are Established.
 
-    files = [*crd_files(), *extra]
-    names: list[str] = []
-    args: list[str] = []
+    Skipped when the same files (by content hash) were applied to this control plane
+    already, unless `force`. Returns the files.
+    """
+    import hashlib
+
+    files = [f for f in [*crd_files(), *extra] if f.read_text().strip()]
+    digest = hashlib.sha256()
     for f in files:
-        docs = [d for d in yaml.safe_load_all(f.read_text()) if d]
-        if not docs:
-            continue
-        args += ["-f", str(f)]
-        names += [
-            f"crd/{d['metadata']['name']}"
-            for d in docs
-            if d.get("kind") == "CustomResourceDefinition"
-        ]
-    if args:
-        kubectl(
+        digest.update(str(f).encode() + b"\0" + f.read_bytes())
+    state = state or State.load()
+    if not force and state.crd_hash == digest.hexdigest():
+        return files
+    if files:
+        out = kubectl(
             "apply",
             "--server-side",
             "--force-conflicts",
             "--field-manager=posttrain-control-plane",
-            *args,
-        )
-    if names:
-        kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+            "-o",
+            "name",
+            *[a for f in files for a in ("-f", str(f))],
+        ).stdout
+        crds = [n for n in out.split() if n.startswith("customresourcedefinition")]
+        if crds:
+            kubectl("wait", "--for=condition=Established", "--timeout=120s", *crds)
+    state.crd_hash = digest.hexdigest()
+    state.save()
     return files
 
 
@@ -1450,6 +1424,8 @@ def up(
             if not now:
                 _create_pki()
                 _write_kubeconfig(state.port("kube-apiserver"))
+            elif crds:
+                install_crds(state=state)  # no-op unless crds/ (or a pin) changed
             for name in wanted:
                 if name in now:
                     if owner == "cli":
@@ -1463,11 +1439,11 @@ def up(
                 log(f"{name} ready in {time.monotonic() - t0:.1f}s")
                 if name == "kube-apiserver" and crds:
                     t0 = time.monotonic()
-                    install_crds()
+                    install_crds(state=state)
                     log(f"CRDs installed in {time.monotonic() - t0:.1f}s")
             state.save()
-            if full and nodes and "kwok" in started:
-                create_nodes(default_nodes())
+            if full and nodes:
+                create_nodes(default_nodes())  # idempotent (server-side apply)
         except BaseException:
             if started:
                 log(f"startup failed; stopping {', '.join(started)}")

@@ -303,10 +303,8 @@ def start(full: bool) -> Cluster:
     control_plane.ensure_built(full)
     control_plane.enter_session()
     try:
+        # Reuses a running plane; re-applies CRDs when crds/ changed.
         started = control_plane.up(full=full, owner="pytest")
-        if not started:
-            # Reused: re-apply CRDs so a changed crds/ folder is picked up.
-            control_plane.install_crds()
     except BaseException:
         control_plane.leave_session()
         raise
