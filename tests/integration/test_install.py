@@ -664,3 +664,44 @@ def test_operator_image_pip_install_in_a_fresh_venv(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "--lease-namespace" in proc.stdout, proc.stderr
+
+
+def test_trainer_constraints_resolve_to_themselves(tmp_path: Path) -> None:
+    """Dockerfile.trainer's `pip install -c docker/constraints-trainer.txt '.[trainer]'`,
+    resolved without installing (pip --dry-run): it needs exactly the pinned set, so the
+    image gets no unpinned package. (Installing JAX & co. here would take many minutes.)"""
+    df = dockerfiles.parse_dockerfile(ROOT / "Dockerfile.trainer")
+    src = tmp_path / "src"
+    for ins in df.stage("build").instructions:
+        if ins.cmd == "COPY":
+            sources, dest = dockerfiles.copy_sources_of(ins)
+            for s in sources:
+                origin, target = ROOT / s, src / dest
+                if origin.is_dir():
+                    shutil.copytree(
+                        origin, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                    )
+                else:
+                    dst = target / origin.name if dest.endswith("/") else target
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(origin, dst)
+    installs = dockerfiles.pip_installs(df.stage("build"))
+    (final,) = [i for i in installs if i.requirements and i.requirements[0].startswith(".")]
+    assert final.requirements == [".[trainer]"], final.argv
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), *final.argv[2:]],
+        cwd=src, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    from packaging.utils import canonicalize_name
+
+    resolved = {
+        canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    resolved.pop("posttrain")
+    pins = dockerfiles.read_constraints(ROOT / "docker" / "constraints-trainer.txt")
+    pins.pop("pip")
+    assert resolved == pins, "docker/constraints-trainer.txt is not the resolved set"
