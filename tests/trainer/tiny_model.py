@@ -11,7 +11,9 @@ import numpy as np
 from data_helpers import make_tokenizer_dir
 
 
-def make_tiny_llama(path: Path, *, vocab: int = 400, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+def make_tiny_llama(
+    path: Path, *, vocab: int = 400, hidden: int = 32, layers: int = 2, seed: int = 0
+) -> Path:
     from safetensors.numpy import save_file
 
     heads, kv_heads, head_dim, inter = 4, 2, hidden // 4, 64
@@ -20,8 +22,11 @@ def make_tiny_llama(path: Path, *, vocab: int = 400, hidden: int = 32, layers: i
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32),
-               "lm_head.weight": w(vocab, hidden)}
+    tensors = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "lm_head.weight": w(vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {

@@ -5,7 +5,9 @@ and the data iterator's position.
   writes into a temporary directory and renames it when complete, so a crash mid-save
   leaves no half-written step behind.
 - `restore_latest` walks the steps newest first; a step that cannot be read (corrupt or
-  partial) is skipped with a warning and the one before it is used.
+  partial) is skipped with a warning and the one before it is used. The unreadable step
+  is renamed to `<step>.unreadable` (kept for inspection, never deleted) so training can
+  write that step again.
 - Works on local paths and gs:// (Orbax writes through tensorstore/etils).
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 log = logging.getLogger("posttrain.checkpoint")
 
@@ -72,6 +75,7 @@ class Checkpoints:
         """The newest readable checkpoint, restored into the shapes/shardings of `target`;
         None when there is none."""
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        unreadable = []
         for step in reversed(self.steps()):
             try:
                 out = self.manager.restore(
@@ -82,8 +86,10 @@ class Checkpoints:
                         meta=ocp.args.JsonRestore(),
                     ),
                 )
+                self._quarantine(unreadable)
                 return Restored(step, out["state"], dict(out["data"]), dict(out["meta"]))
             except Exception as e:  # noqa: BLE001 - any unreadable step is skipped
+                unreadable.append(step)
                 log.warning(
                     "checkpoint %s/%s is unreadable (%s: %s); trying the previous one",
                     self.directory,
@@ -91,7 +97,22 @@ class Checkpoints:
                     type(e).__name__,
                     str(e).splitlines()[0][:300] if str(e) else "",
                 )
+        self._quarantine(unreadable)
         return None
+
+    def _quarantine(self, steps: list[int]) -> None:
+        if not steps or jax.process_index() != 0:
+            return
+        root = epath.Path(self.directory)
+        for step in steps:
+            target = root / f"{step}.unreadable"
+            if target.exists():
+                target = root / f"{step}.unreadable-{len(list(root.glob(f'{step}.unreadable*')))}"
+            (root / str(step)).rename(target)
+            log.warning(
+                "moved unreadable checkpoint %s/%s to %s", self.directory, step, target.name
+            )
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -54,7 +54,11 @@ class StopFlag:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self.event.set())
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: checkpointing after this step", signal.Signals(signum).name)
+        self.event.set()
 
     def __bool__(self) -> bool:
         return self.event.is_set()
@@ -106,6 +110,19 @@ def _restore_into(
     nnx.update(opt, opt_state)
 
 
+def _shard_like_params(opt: nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
+    """Give the optimizer state its annotated shardings up front, so the train step is
+    compiled once (not again after the first update changes the layouts)."""
+    state = nnx.state(opt)
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+    nnx.update(opt, jax.device_put(state, shardings))
+
+
 class OutputDir:
     """A local directory that mirrors to output.uri when that is gs://."""
 
@@ -130,7 +147,7 @@ def train(
         raise ValueError(
             f"spec.technique: {spec.technique} is not available in this trainer yet (sft is)"
         )
-    stop = stop or StopFlag()
+    stop = stop if stop is not None else StopFlag()
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     is_main = jax.process_index() == 0
 
@@ -189,6 +206,7 @@ def train(
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
     with jax.set_mesh(mesh):
+        _shard_like_params(opt, mesh)
         while result.step < total and not stop:
             batch = _global_batch(next(loader), mesh)
             loss, grad_norm, _, seen = step_fn(model, opt, batch)

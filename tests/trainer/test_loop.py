@@ -1,0 +1,213 @@
+"""The training loop end to end on CPU with a tiny random Llama: learning, outputs,
+checkpoints with exact resume (in-process and after SIGTERM/SIGKILL), corrupt
+checkpoints, full fine-tune export, and errors in the job's input."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+from tb_events import scalars
+from tiny_model import make_tiny_llama
+
+from posttrain.api.validate import validate
+from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.loop import train
+
+pytestmark = pytest.mark.trainer
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def job_doc(model_dir: Path, out: Path, *, steps=12, lora=True, every=4, logEverySteps=2) -> dict:
+    spec = {
+        "model": {"source": str(model_dir), "dtype": "float32"},
+        "data": {"source": str(DATA), "maxLength": 64},
+        "training": {
+            "steps": steps,
+            "batchSize": 8,
+            "learningRate": 0.01,
+            "logEverySteps": logEverySteps,
+        },
+        "checkpoint": {"everySteps": every, "keep": 3},
+        "output": {"uri": str(out)},
+    }
+    if lora:
+        spec["lora"] = {"rank": 4, "alpha": 8}
+    return {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "tiny"},
+        "spec": spec,
+    }
+
+
+def run_inprocess(doc: dict):
+    job, errors = validate(doc)
+    assert not errors, errors
+    return train(job, ProcessInfo(None, 1, 0), show_bar=False)
+
+
+def adapter(out: Path) -> dict[str, np.ndarray]:
+    return load_file(str(out / "hf" / "adapter_model.safetensors"))
+
+
+def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """An uninterrupted 12-step LoRA run that other tests compare against."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    result = run_inprocess(job_doc(model_dir, out))
+    return out, result
+
+
+def test_lora_sft_learns_and_writes_outputs(reference):
+    out, result = reference
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    assert result.step == 12 and len(losses) == 6
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.2, losses
+    tb = scalars(out / "tensorboard")
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/tokens_per_second",
+    } <= tb.keys()
+    assert tb["train/loss"][12] == pytest.approx(result.losses[12], rel=1e-6)
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [
+        4,
+        8,
+        12,
+    ]
+    config = yaml.safe_load((out / "hf" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert any(k.endswith("lora_B.weight") for k in adapter(out))
+
+
+def test_resume_in_process_is_bitwise_identical(model_dir, reference, tmp_path):
+    out = tmp_path / "out"
+    first = run_inprocess(job_doc(model_dir, out, steps=12, every=4) | {})
+    assert first.step == 12
+    # Drop the last checkpoint and the export, as if the run had died after step 8.
+    for path in glob.glob(str(out / "checkpoints" / "12")) + [str(out / "hf")]:
+        subprocess.run(["rm", "-rf", path], check=True)
+    again = run_inprocess(job_doc(model_dir, out, steps=12, every=4))
+    assert again.resumed_from == 8 and again.step == 12
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
+
+
+def test_corrupt_latest_checkpoint_is_skipped(model_dir, reference, tmp_path, caplog):
+    out = tmp_path / "out"
+    run_inprocess(job_doc(model_dir, out))
+    for f in (out / "checkpoints" / "12").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    subprocess.run(["rm", "-rf", str(out / "hf")], check=True)
+    again = run_inprocess(job_doc(model_dir, out))
+    assert again.resumed_from == 8
+    assert "checkpoints/12 is unreadable" in caplog.text
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
+
+
+def _posttrain_run(job_file: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "posttrain.cli", "run", str(job_file)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [int(p.parent.name) for p in (out / "checkpoints").glob("*/commit_success.txt")]
+        if done:
+            return max(done)
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint appeared")
+
+
+LONG = {"steps": 150, "every": 5, "logEverySteps": 10}
+
+
+@pytest.fixture(scope="module")
+def long_reference(model_dir, tmp_path_factory):
+    """An uninterrupted run long enough that a signal lands mid-way."""
+    out = tmp_path_factory.mktemp("long") / "out"
+    run_inprocess(job_doc(model_dir, out, **LONG))
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_killed_run_resumes_bitwise_identical(model_dir, long_reference, tmp_path, sig):
+    out = tmp_path / "out"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job_doc(model_dir, out, **LONG)))
+    proc = _posttrain_run(job_file)
+    _wait_for_checkpoint(out, proc)
+    proc.send_signal(sig)
+    log = proc.communicate(timeout=120)[0]
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, log
+        assert "after saving a checkpoint" in log
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert not (out / "hf").exists(), "the run finished before it was killed; nothing was tested"
+    proc = _posttrain_run(job_file)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log
+    assert "resumed from checkpoint step" in log
+    assert_bitwise_equal(adapter(out), adapter(long_reference))
+
+
+def test_full_finetune_exports_merged_model_that_loads(model_dir, tmp_path):
+    from posttrain.trainer import models
+
+    out = tmp_path / "out"
+    result = run_inprocess(job_doc(model_dir, out, steps=4, lora=False, every=4))
+    assert result.export_dir == str(out / "hf")
+    tuned, _ = models.load_model(out / "hf")
+    base, _ = models.load_model(model_dir)
+    ids = np.array([[5, 17, 42, 99, 7, 3]], np.int32)
+    delta = np.abs(
+        np.asarray(models.forward(tuned, ids)) - np.asarray(models.forward(base, ids))
+    ).max()
+    assert delta > 1e-3  # training changed the weights, and the export carries them
+
+
+def test_missing_column_is_a_user_error(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "hi", "reply": "hello"}\n' * 20)
+    doc = job_doc(model_dir, tmp_path / "out")
+    doc["spec"]["data"]["source"] = str(bad)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    proc = _posttrain_run(job_file)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 65, log
+    assert str(bad) in log and "column" in log and "question" in log
+    assert not (tmp_path / "out" / "checkpoints").exists() or not any(
+        (tmp_path / "out" / "checkpoints").iterdir()
+    )
