@@ -887,6 +887,12 @@ def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any =
     }
 
 
+@nnx.jit
+def _greedy_step(model, tokens, positions, cache, mask):
+    logits, cache = model(tokens, positions, cache, mask)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
 @dataclasses.dataclass
 class Generation:
     token_ids: list[int]
@@ -910,16 +916,10 @@ def greedy_generate(
     length = prompt.shape[1]
     size = length + max_new_tokens
     cache = init_cache(model, 1, size)
-    graphdef, state = nnx.split(model)
     slots = jnp.arange(size)
-
-    @jax.jit
-    def step(state, tokens, positions, cache, mask):
-        logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache, mask)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
-
+    step = nnx.cached_partial(_greedy_step, model)
     mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
-    token, cache = step(state, prompt, jnp.arange(length, dtype=jnp.int32)[None], cache, mask)
+    token, cache = step(prompt, jnp.arange(length, dtype=jnp.int32)[None], cache, mask)
     stop = set(eos_token_ids)
     out: list[int] = []
     for i in range(max_new_tokens):
@@ -929,7 +929,7 @@ def greedy_generate(
             break
         pos = length + i
         mask = (slots <= pos)[None, None, :]
-        token, cache = step(state, token[:, None], jnp.full((1, 1), pos, jnp.int32), cache, mask)
+        token, cache = step(token[:, None], jnp.full((1, 1), pos, jnp.int32), cache, mask)
     text = None
     if tokenizer is not None:
         text = tokenizer.decode([t for t in out if t not in stop])
