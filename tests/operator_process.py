@@ -44,7 +44,9 @@ def self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(key, hashes.SHA256())
     )
@@ -53,29 +55,50 @@ def self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
         key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
         )
     )
     return cert_path, key_path
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, workdir: Path, lease_namespace: str, *extra: str, identity: str = "op"):
+    def __init__(
+        self,
+        kubeconfig: Path,
+        workdir: Path,
+        lease_namespace: str,
+        *extra: str,
+        identity: str = "op",
+    ):
         self.metrics_port = free_port()
         self.log_path = workdir / f"operator-{identity}-{self.metrics_port}.log"
         self.args = [
-            sys.executable, "-m", "posttrain.cli", "operator",
-            "--metrics-port", str(self.metrics_port),
-            "--lease-namespace", lease_namespace,
-            "--identity", identity,
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "operator",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--lease-namespace",
+            lease_namespace,
+            "--identity",
+            identity,
             *extra,
         ]
-        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POSTTRAIN_TRAINER_IMAGE": "posttrain-trainer:test"}
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "POSTTRAIN_TRAINER_IMAGE": "posttrain-trainer:test",
+        }
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_leader: bool = True) -> OperatorProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -87,7 +110,9 @@ class OperatorProcess:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=3) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}{path}", timeout=3
+            ) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).parent.parent / "golden" / "rendered"
 def _create(
     apiserver: Cluster, obj: dict, namespace: str, dry_run: bool = False, check: bool = True
 ):
-    args = ["create", "-f", "-", "-n", namespace, "--validate=strict", "-o", "name"]
+    args = ["create", "-f", "-", "-n", namespace, "--validate=strict"]
     if dry_run:
         args.append("--dry-run=server")
     return apiserver.kubectl(*args, input=json.dumps(obj), check=check)
@@ -93,7 +93,7 @@ def test_printer_columns(apiserver: Cluster, namespace: str):
 
 def test_explain_reads_descriptions(apiserver: Cluster):
     out = apiserver.kubectl("explain", "posttrainjob.spec.lora").stdout
-    assert "Low-rank adapters" in out and "rank" in out and "targetModules" in out
+    assert "absent means a full fine-tune" in out and "rank" in out and "targetModules" in out
     out = apiserver.kubectl("explain", "ptj.spec.resources.accelerator").stdout
     assert "v6e-256" in out
 

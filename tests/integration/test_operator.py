@@ -39,7 +39,9 @@ def get_job(apiserver: Cluster, namespace: str, name: str) -> dict:
 
 
 def jobsets(apiserver: Cluster, namespace: str) -> list[dict]:
-    return apiserver.custom.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets")["items"]
+    return apiserver.custom.list_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets"
+    )["items"]
 
 
 def set_jobset_status(apiserver: Cluster, namespace: str, name: str, status: dict) -> None:
@@ -53,11 +55,15 @@ def phase(apiserver: Cluster, namespace: str, name: str) -> str | None:
 
 
 def events(apiserver: Cluster, namespace: str, name: str) -> list[str]:
-    items = apiserver.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    items = apiserver.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    ).items
     return [e.reason for e in items]
 
 
-def test_creates_owned_objects_and_status(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_creates_owned_objects_and_status(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     job = create_job(apiserver, namespace, "first")
     uid = job["metadata"]["uid"]
     wait_for(lambda: phase(apiserver, namespace, "first") == "Pending", timeout=30)
@@ -70,21 +76,53 @@ def test_creates_owned_objects_and_status(apiserver: Cluster, namespace: str, op
     status = get_job(apiserver, namespace, "first")["status"]
     assert status["jobSetName"] == "first" and status["observedGeneration"] == 1
     assert status["outputs"]["checkpoints"] == "/outputs/run/checkpoints"
-    assert {c["type"] for c in status["conditions"]} == {"Queued", "Running", "Suspended", "Succeeded", "Failed"}
+    assert {c["type"] for c in status["conditions"]} == {
+        "Queued",
+        "Running",
+        "Suspended",
+        "Succeeded",
+        "Failed",
+    }
     wait_for(lambda: "JobSetCreated" in events(apiserver, namespace, "first"), timeout=20)
 
     # The JobSet runs, then completes: the phase follows, with conditions and events.
     set_jobset_status(
-        apiserver, namespace, "first",
-        {"replicatedJobsStatus": [{"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}]},
+        apiserver,
+        namespace,
+        "first",
+        {
+            "replicatedJobsStatus": [
+                {
+                    "name": "node",
+                    "ready": 1,
+                    "active": 1,
+                    "succeeded": 0,
+                    "failed": 0,
+                    "suspended": 0,
+                }
+            ]
+        },
     )
     wait_for(lambda: phase(apiserver, namespace, "first") == "Running", timeout=30)
     set_jobset_status(
-        apiserver, namespace, "first",
-        {"conditions": [{"type": "Completed", "status": "True", "reason": "AllJobsCompleted",
-                         "message": "jobset completed successfully", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+        apiserver,
+        namespace,
+        "first",
+        {
+            "conditions": [
+                {
+                    "type": "Completed",
+                    "status": "True",
+                    "reason": "AllJobsCompleted",
+                    "message": "jobset completed successfully",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ]
+        },
     )
-    apiserver.kubectl("wait", "--for=condition=Succeeded", "ptj/first", "-n", namespace, "--timeout=30s")
+    apiserver.kubectl(
+        "wait", "--for=condition=Succeeded", "ptj/first", "-n", namespace, "--timeout=30s"
+    )
     status = get_job(apiserver, namespace, "first")["status"]
     assert status["phase"] == "Succeeded" and status["startTime"] and status["completionTime"]
     assert {"Running", "Succeeded"} <= set(events(apiserver, namespace, "first"))
@@ -92,15 +130,34 @@ def test_creates_owned_objects_and_status(apiserver: Cluster, namespace: str, op
     assert operator.metric("posttrain_jobs", 'phase="Succeeded"') == 1
 
 
-def test_suspend_resume_and_mutable_fields(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_suspend_resume_and_mutable_fields(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     create_job(apiserver, namespace, "pausable")
     wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
-    patch = {"spec": {"scheduling": {"suspend": True, "priorityClass": "low", "ttlSecondsAfterFinished": 120}}}
-    apiserver.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "pausable", patch)
+    patch = {
+        "spec": {
+            "scheduling": {"suspend": True, "priorityClass": "low", "ttlSecondsAfterFinished": 120}
+        }
+    }
+    apiserver.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "pausable", patch
+    )
     wait_for(lambda: jobsets(apiserver, namespace)[0]["spec"]["suspend"] is True, timeout=30)
     js = jobsets(apiserver, namespace)[0]
-    wait_for(lambda: jobsets(apiserver, namespace)[0]["metadata"]["labels"].get("kueue.x-k8s.io/priority-class") == "low", timeout=30)
-    wait_for(lambda: jobsets(apiserver, namespace)[0]["spec"].get("ttlSecondsAfterFinished") == 120, timeout=30)
+    wait_for(
+        lambda: (
+            jobsets(apiserver, namespace)[0]["metadata"]["labels"].get(
+                "kueue.x-k8s.io/priority-class"
+            )
+            == "low"
+        ),
+        timeout=30,
+    )
+    wait_for(
+        lambda: jobsets(apiserver, namespace)[0]["spec"].get("ttlSecondsAfterFinished") == 120,
+        timeout=30,
+    )
     wait_for(lambda: phase(apiserver, namespace, "pausable") == "Suspended", timeout=40)
     apiserver.custom.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, "pausable", {"spec": {"scheduling": {"suspend": False}}}
@@ -110,33 +167,59 @@ def test_suspend_resume_and_mutable_fields(apiserver: Cluster, namespace: str, o
     assert js["metadata"]["uid"] == jobsets(apiserver, namespace)[0]["metadata"]["uid"]
 
 
-def test_jobset_deleted_out_of_band_is_recreated(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_jobset_deleted_out_of_band_is_recreated(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     create_job(apiserver, namespace, "again")
     wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
     old_uid = jobsets(apiserver, namespace)[0]["metadata"]["uid"]
     apiserver.kubectl("delete", "jobset", "again", "-n", namespace)
-    wait_for(lambda: [j for j in jobsets(apiserver, namespace) if j["metadata"]["uid"] != old_uid], timeout=30)
+    wait_for(
+        lambda: [j for j in jobsets(apiserver, namespace) if j["metadata"]["uid"] != old_uid],
+        timeout=30,
+    )
     wait_for(lambda: "JobSetDeleted" in events(apiserver, namespace, "again"), timeout=20)
 
 
-def test_finished_job_jobset_not_recreated(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_finished_job_jobset_not_recreated(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     create_job(apiserver, namespace, "done")
     wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
     set_jobset_status(
-        apiserver, namespace, "done",
-        {"conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs",
-                         "message": "jobset failed: reached max restarts", "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+        apiserver,
+        namespace,
+        "done",
+        {
+            "conditions": [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "FailedJobs",
+                    "message": "jobset failed: reached max restarts",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ]
+        },
     )
-    apiserver.kubectl("wait", "--for=condition=Failed", "ptj/done", "-n", namespace, "--timeout=30s")
-    cond = {c["type"]: c for c in get_job(apiserver, namespace, "done")["status"]["conditions"]}["Failed"]
+    apiserver.kubectl(
+        "wait", "--for=condition=Failed", "ptj/done", "-n", namespace, "--timeout=30s"
+    )
+    cond = {c["type"]: c for c in get_job(apiserver, namespace, "done")["status"]["conditions"]}[
+        "Failed"
+    ]
     assert cond["reason"] == "FailedJobs" and "max restarts" in cond["message"]
-    apiserver.kubectl("delete", "jobset", "done", "-n", namespace)  # as ttlSecondsAfterFinished would
+    apiserver.kubectl(
+        "delete", "jobset", "done", "-n", namespace
+    )  # as ttlSecondsAfterFinished would
     time.sleep(3)
     assert jobsets(apiserver, namespace) == []
     assert phase(apiserver, namespace, "done") == "Failed"
 
 
-def test_invalid_job_without_webhook_fails_cleanly(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_invalid_job_without_webhook_fails_cleanly(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     # v6e-300 passes the CRD (only the catalog knows it is impossible).
     create_job(apiserver, namespace, "impossible", resources={"accelerator": "v6e-300"})
     wait_for(lambda: phase(apiserver, namespace, "impossible") == "Failed", timeout=30)
@@ -148,7 +231,9 @@ def test_invalid_job_without_webhook_fails_cleanly(apiserver: Cluster, namespace
     wait_for(lambda: phase(apiserver, namespace, "fine") == "Pending", timeout=30)
 
 
-def test_trainer_role_patches_only_its_own_status(apiserver: Cluster, namespace: str, operator: OperatorProcess):
+def test_trainer_role_patches_only_its_own_status(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
     from kubernetes import client
 
     create_job(apiserver, namespace, "reporter")
@@ -160,8 +245,14 @@ def test_trainer_role_patches_only_its_own_status(apiserver: Cluster, namespace:
     cfg.host, cfg.ssl_ca_cert, cfg.verify_ssl = admin.host, admin.ssl_ca_cert, admin.verify_ssl
     cfg.api_key = {"authorization": f"Bearer {token}"}
     as_trainer = client.CustomObjectsApi(client.ApiClient(cfg))
-    progress = {"step": 7, "totalSteps": 60, "loss": 2.5, "tokensPerSecond": 1000.0, "etaSeconds": 30,
-                "lastCheckpointStep": 5}
+    progress = {
+        "step": 7,
+        "totalSteps": 60,
+        "loss": 2.5,
+        "tokensPerSecond": 1000.0,
+        "etaSeconds": 30,
+        "lastCheckpointStep": 5,
+    }
     as_trainer.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, "reporter", {"status": {"progress": progress}}
     )
@@ -171,21 +262,42 @@ def test_trainer_role_patches_only_its_own_status(apiserver: Cluster, namespace:
         )
     assert denied.value.status == 403
     with pytest.raises(client.exceptions.ApiException):
-        as_trainer.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "reporter", {"spec": {"image": "x"}})
+        as_trainer.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "reporter", {"spec": {"image": "x"}}
+        )
     # The operator's own status writes keep the trainer's progress.
     set_jobset_status(
-        apiserver, namespace, "reporter",
-        {"replicatedJobsStatus": [{"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}]},
+        apiserver,
+        namespace,
+        "reporter",
+        {
+            "replicatedJobsStatus": [
+                {
+                    "name": "node",
+                    "ready": 1,
+                    "active": 1,
+                    "succeeded": 0,
+                    "failed": 0,
+                    "suspended": 0,
+                }
+            ]
+        },
     )
     wait_for(lambda: phase(apiserver, namespace, "reporter") == "Running", timeout=30)
     assert get_job(apiserver, namespace, "reporter")["status"]["progress"] == progress
-    row = apiserver.kubectl("get", "ptj", "reporter", "-n", namespace, "--no-headers").stdout.split()
+    row = apiserver.kubectl(
+        "get", "ptj", "reporter", "-n", namespace, "--no-headers"
+    ).stdout.split()
     assert row[4:8] == ["Running", "7", "60", "2.5"]
 
 
 def test_standby_takes_over(apiserver: Cluster, namespace: str, tmp_path):
-    first = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="a").start()
-    second = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="b").start(wait_leader=False)
+    first = OperatorProcess(
+        apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="a"
+    ).start()
+    second = OperatorProcess(
+        apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="b"
+    ).start(wait_leader=False)
     try:
         time.sleep(4)
         assert second.metric("posttrain_leader") == 0.0  # a standby does nothing
@@ -202,25 +314,35 @@ def test_standby_takes_over(apiserver: Cluster, namespace: str, tmp_path):
         second.stop()
 
 
-def test_kill_during_reconciliation_makes_no_duplicates(apiserver: Cluster, namespace: str, tmp_path):
-    op = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="k1").start()
+def test_kill_during_reconciliation_makes_no_duplicates(
+    apiserver: Cluster, namespace: str, tmp_path
+):
+    op = OperatorProcess(
+        apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="k1"
+    ).start()
     try:
         for i in range(50):
             create_job(apiserver, namespace, f"bulk-{i:02d}")
         wait_for(lambda: len(jobsets(apiserver, namespace)) >= 10, timeout=60)
         op.kill()  # SIGKILL mid-way
         partial = len(jobsets(apiserver, namespace))
-        op = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="k2")
+        op = OperatorProcess(
+            apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="k2"
+        )
         # The killed replica's Lease must expire before the new one leads.
         op.start()
         wait_for(
-            lambda: all(phase(apiserver, namespace, f"bulk-{i:02d}") == "Pending" for i in range(50)),
+            lambda: all(
+                phase(apiserver, namespace, f"bulk-{i:02d}") == "Pending" for i in range(50)
+            ),
             timeout=180,
             interval=2,
         )
         names = sorted(j["metadata"]["name"] for j in jobsets(apiserver, namespace))
         assert names == [f"bulk-{i:02d}" for i in range(50)], f"killed after {partial}"
-        cms = apiserver.core.list_namespaced_config_map(namespace, label_selector="posttrain.dev/job-name").items
+        cms = apiserver.core.list_namespaced_config_map(
+            namespace, label_selector="posttrain.dev/job-name"
+        ).items
         assert len(cms) == 50
     finally:
         op.stop()
@@ -230,12 +352,28 @@ def test_admission_webhook(apiserver: Cluster, namespace: str, tmp_path):
     cert, key = self_signed(tmp_path / "certs")
     port = free_port()
     op = OperatorProcess(
-        apiserver.kubeconfig, tmp_path, namespace, "-n", namespace,
-        "--webhook-port", str(port), "--webhook-address", "127.0.0.1", "--webhook-host", "127.0.0.1",
-        "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-ca", str(cert), "--webhook-register",
+        apiserver.kubeconfig,
+        tmp_path,
+        namespace,
+        "-n",
+        namespace,
+        "--webhook-port",
+        str(port),
+        "--webhook-address",
+        "127.0.0.1",
+        "--webhook-host",
+        "127.0.0.1",
+        "--webhook-cert",
+        str(cert),
+        "--webhook-key",
+        str(key),
+        "--webhook-ca",
+        str(cert),
+        "--webhook-register",
         identity="hook",
     ).start()
     try:
+
         def registered() -> bool:
             out = apiserver.kubectl("get", "validatingwebhookconfigurations", "-o", "json").stdout
             hooks = [w for c in json.loads(out)["items"] for w in c.get("webhooks", [])]
@@ -246,18 +384,26 @@ def test_admission_webhook(apiserver: Cluster, namespace: str, tmp_path):
         doc["spec"]["resources"] = {"accelerator": "v6e-300"}
 
         def refused() -> str:
-            proc = apiserver.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
+            proc = apiserver.kubectl(
+                "create", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False
+            )
             assert proc.returncode != 0, "admitted"
             return proc.stderr
 
-        err = wait_for(lambda: (e := refused()) and "spec.resources.accelerator" in e and e, timeout=30)
+        err = wait_for(
+            lambda: (e := refused()) and "spec.resources.accelerator" in e and e, timeout=30
+        )
         assert "admission webhook" in err and "no v6e slice has 300 chips" in err
         big = valid_job("too-big")
         big["spec"]["model"] = {"source": "gs://m/Llama-3.1-70B"}
         big["spec"]["resources"] = {"accelerator": "v6e-8"}
-        proc = apiserver.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(big), check=False)
+        proc = apiserver.kubectl(
+            "create", "-n", namespace, "-f", "-", input=json.dumps(big), check=False
+        )
         assert proc.returncode != 0 and "does not fit" in proc.stderr and "GiB" in proc.stderr
-        ok = apiserver.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(valid_job("fits")))
+        ok = apiserver.kubectl(
+            "create", "-n", namespace, "-f", "-", input=json.dumps(valid_job("fits"))
+        )
         assert "created" in ok.stdout
     finally:
         op.stop()
