@@ -26,8 +26,11 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The CRD is generated from the pydantic models; the chart and Kustomize base carry copies.
 crd: setup
 	$(BIN)/posttrain crd > crds/posttrain.dev_posttrainjobs.yaml
+	cp crds/posttrain.dev_posttrainjobs.yaml charts/posttrain/crds/
+	cp crds/posttrain.dev_posttrainjobs.yaml manifests/base/
 
 # Every tier: lint, unit, trainer, integration, e2e. Prints each phase's time.
 test: setup control-plane

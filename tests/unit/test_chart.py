@@ -464,29 +464,14 @@ def test_metrics_service_and_service_monitor() -> None:
 # -- admission webhook -----------------------------------------------------------------
 
 
-def kopf_webhook(service: dict[str, Any]) -> dict[str, Any]:
-    """The webhook entry kopf itself would build for posttrain's validating handler."""
-    import kopf
-    from kopf._cogs.structs.references import Resource
-    from kopf._core.engines.admission import build_webhooks
+def project_webhook(service: dict[str, Any]) -> dict[str, Any]:
+    """The webhook entry posttrain's own server is built for."""
+    from posttrain.controller.webhook import WEBHOOK_PATH, webhook_entry
 
-    import posttrain.controller.admission  # noqa: F401  (registers the handler)
-
-    resource = Resource(
-        group="posttrain.dev",
-        version="v1alpha1",
-        plural="posttrainjobs",
-        kind="PostTrainJob",
-        namespaced=True,
-    )
-    handlers = kopf.get_default_registry()._webhooks.get_all_handlers()
-    (hook,) = build_webhooks(
-        handlers, resources=[resource], name_suffix="", client_config={"service": service}
-    )
-    return hook
+    return webhook_entry({"service": {**service, "path": WEBHOOK_PATH}})
 
 
-def test_webhook_points_where_kopf_serves() -> None:
+def test_webhook_points_where_the_operator_serves() -> None:
     docs = template({"webhook.enabled": True})
     vwc = find(docs, "ValidatingWebhookConfiguration")
     (hook,) = vwc["webhooks"]
@@ -497,15 +482,15 @@ def test_webhook_points_where_kopf_serves() -> None:
         "port": 9443,
         "path": WEBHOOK_PATH,
     }
-    expected = kopf_webhook({k: v for k, v in service.items() if k != "path"})
+    expected = project_webhook({k: v for k, v in service.items() if k != "path"})
     assert expected["clientConfig"]["service"]["path"] == WEBHOOK_PATH
     assert hook["name"] == expected["name"]
     assert hook["sideEffects"] == expected["sideEffects"]
     assert set(hook["admissionReviewVersions"]) <= set(expected["admissionReviewVersions"])
     (rule,) = hook["rules"]
-    (kopf_rule,) = expected["rules"]
+    (expected_rule,) = expected["rules"]
     for key in ("apiGroups", "apiVersions", "resources"):
-        assert rule[key] == kopf_rule[key]
+        assert rule[key] == expected_rule[key]
     assert rule["operations"] == ["CREATE", "UPDATE"]
     assert hook["failurePolicy"] == "Fail"
     svc = find(docs, "Service", "posttrain-webhook")

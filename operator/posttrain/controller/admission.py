@@ -2,7 +2,7 @@
 
 The API server has already applied the schema and CEL rules; this adds the accelerator
 catalog, derived name lengths, LoRA target patterns, and whether the job fits in
-accelerator memory. `admission_errors` is pure; the kopf handler only reports.
+accelerator memory. `admission_errors` is pure; `webhook.py` serves it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import kopf
-
 from posttrain import capacity, catalog
-from posttrain.api.spec import GROUP, PLURAL, VERSION
 from posttrain.api.validate import FieldError, immutable_changes, validate
 
 
@@ -43,10 +40,3 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
             )
         )
     return errors
-
-
-@kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-posttrainjob.posttrain.dev")
-def validate_job(body: kopf.Body, old: Any, **_: Any) -> None:
-    errors = admission_errors(dict(body), dict(old) if old else None)
-    if errors:
-        raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)

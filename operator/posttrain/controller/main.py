@@ -18,7 +18,7 @@ import threading
 import kopf
 from kubernetes import config as kube_config
 
-from posttrain.controller import handlers, metrics
+from posttrain.controller import handlers, metrics, webhook
 from posttrain.controller.leader import LeaseElector
 from posttrain.render import RenderConfig
 
@@ -86,19 +86,6 @@ def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.networking.connect_timeout = 5
     settings.watching.server_timeout = 120
     settings.watching.reconnect_backoff = 1.0
-    if args.webhook_port:
-        from posttrain.controller import admission  # noqa: F401  (registers the handler)
-
-        settings.admission.server = kopf.WebhookServer(
-            addr=args.webhook_address,
-            port=args.webhook_port,
-            host=args.webhook_host,
-            certfile=args.webhook_cert,
-            pkeyfile=args.webhook_key,
-            cafile=args.webhook_ca,
-        )
-        if args.webhook_register:
-            settings.admission.managed = "posttrain.dev"
     return settings
 
 
@@ -108,6 +95,15 @@ def operator_command(args: argparse.Namespace) -> int:
     handlers.State.render_config = _render_config()
     metrics.serve(args.metrics_port)
     log = logging.getLogger("posttrain.operator")
+    if args.webhook_port:
+        # Every replica answers admission, leader or not.
+        webhook.serve(args.webhook_address, args.webhook_port, args.webhook_cert, args.webhook_key)
+        if args.webhook_register:
+            webhook.register(
+                args.webhook_host or args.webhook_address,
+                args.webhook_port,
+                args.webhook_ca or args.webhook_cert,
+            )
 
     stop = threading.Event()
     elector = LeaseElector(args.lease_namespace, LEASE_NAME, args.identity)

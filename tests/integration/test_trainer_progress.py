@@ -1,0 +1,103 @@
+"""The trainer reports progress into its PostTrainJob's status on a real API server,
+with the identity the operator gives its pods (a ServiceAccount whose Role allows
+patching this job's status only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.api.validate import validate
+from posttrain.render.objects import render_trainer_access
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+
+
+def service_account_kubeconfig(apiserver: Cluster, namespace: str, sa: str, path: Path) -> Path:
+    token = apiserver.kubectl("create", "token", sa, "-n", namespace).stdout.strip()
+    admin = yaml.safe_load(apiserver.kubeconfig.read_text())
+    cluster = admin["clusters"][0]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": sa,
+                        "context": {"cluster": cluster["name"], "user": sa, "namespace": namespace},
+                    }
+                ],
+                "current-context": sa,
+            }
+        )
+    )
+    return path
+
+
+def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: Path):
+    from tiny_model import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model")
+    doc = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "progress", "namespace": namespace},
+        "spec": {
+            "model": {"source": str(model), "dtype": "float32"},
+            "lora": {"rank": 4, "alpha": 8},
+            "data": {"source": str(ROOT / "examples/data/chat-sft.jsonl"), "maxLength": 64},
+            "training": {"steps": 6, "batchSize": 8, "logEverySteps": 2},
+            "checkpoint": {"everySteps": 3},
+            "output": {"uri": str(tmp_path / "out")},
+        },
+    }
+    created = apiserver.custom.create_namespaced_custom_object(
+        "posttrain.dev", "v1alpha1", namespace, "posttrainjobs", doc
+    )
+    job, errors = validate(created)
+    assert not errors
+    for obj in render_trainer_access(job):
+        apiserver.apply(obj, namespace)
+    kubeconfig = service_account_kubeconfig(
+        apiserver, namespace, "progress-trainer", tmp_path / "sa.kubeconfig"
+    )
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "POSTTRAIN_JOB_NAME": "progress",
+        "POSTTRAIN_JOB_NAMESPACE": namespace,
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "run", str(job_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "failed" not in proc.stderr.lower(), proc.stderr
+    status = apiserver.get("ptj", "progress", namespace)["status"]
+    progress = status["progress"]
+    assert progress["step"] == 6 and progress["totalSteps"] == 6
+    assert progress["lastCheckpointStep"] == 6
+    assert progress["loss"] > 0 and progress["tokensPerSecond"] > 0 and "updatedAt" in progress
+    row = apiserver.kubectl(
+        "get", "ptj", "progress", "-n", namespace, "--no-headers"
+    ).stdout.split()
+    assert row[5:7] == ["6", "6"]
+    assert json.dumps(status).count("token") == 0  # no credential leaked into status
