@@ -1,6 +1,7 @@
 """Builds the tiny Hugging Face fixtures and goldens under tests/trainer/fixtures/.
 
-For each family (llama3, qwen2, qwen3, gemma2, gemma3): a 2-layer random fp32 model made
+For each family (llama3, qwen2, qwen3, gemma2, gemma3, and gemma3-mha: Gemma 3 with as
+many kv heads as query heads, which Tunix fuses into one qkv projection): a 2-layer random fp32 model made
 with `transformers` (saved with save_pretrained as safetensors), golden logits of a fixed
 input (golden.npz), a LoRA adapter exported from JAX in PEFT format (peft_adapter/) and
 the JAX logits with that adapter (peft_golden.npz).
@@ -114,6 +115,20 @@ FAMILIES = {
             ),
         ),
     ),
+    # q, k and v heads equal: Tunix fuses them into one qkv_einsum (and its LoRA)
+    "gemma3-mha": (
+        "Gemma3TextConfig",
+        dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=32,
+            num_key_value_heads=4,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
 }
 
 
@@ -129,7 +144,7 @@ def _hf_model(family: str):
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**_COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**_COMMON, **extra})
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
@@ -177,8 +192,8 @@ def check_peft() -> int:
     from peft import PeftModel
 
     failed = 0
-    for family in FAMILIES:
-        out = FIXTURES / family
+    for name in FAMILIES:
+        out = FIXTURES / name
         golden = np.load(out / "peft_golden.npz")
         base = transformers.AutoModelForCausalLM.from_pretrained(
             out, attn_implementation="eager", dtype=torch.float32
@@ -191,7 +206,7 @@ def check_peft() -> int:
         ok = diff < TOLERANCE and base_diff > 100 * TOLERANCE
         failed += not ok
         print(
-            f"{family}: peft vs JAX max|diff| {diff:.2e} (adapter moves logits by {base_diff:.2f}) {'ok' if ok else 'FAIL'}"
+            f"{name}: peft vs JAX max|diff| {diff:.2e} (adapter moves logits by {base_diff:.2f}) {'ok' if ok else 'FAIL'}"
         )
     return 1 if failed else 0
 
@@ -206,8 +221,8 @@ def make_peft() -> None:
 
     from posttrain.trainer import models
 
-    for i, family in enumerate(FAMILIES):
-        out = FIXTURES / family
+    for i, name in enumerate(FAMILIES):
+        out = FIXTURES / name
         model, info = models.load_model(out, dtype=jnp.float32)
         lora = models.apply_lora(model, LORA_RANK, LORA_ALPHA)
         key = jax.random.key(SEED + i)
@@ -217,13 +232,13 @@ def make_peft() -> None:
             key, sub = jax.random.split(key)
             var.set_value(0.3 * jax.random.normal(sub, var.shape, var.get_value().dtype))
         models.save_peft_adapter(
-            lora, out / "peft_adapter", info, base_model_name=f"posttrain-fixtures/tiny-{family}"
+            lora, out / "peft_adapter", info, base_model_name=f"posttrain-fixtures/tiny-{name}"
         )
         ids = np.load(out / "golden.npz")["input_ids"]
         logits = np.asarray(models.forward(lora, ids))
         np.savez(out / "peft_golden.npz", input_ids=ids, logits=logits)
         cfg = json.loads((out / "peft_adapter" / "adapter_config.json").read_text())
-        print(f"{family}: adapter for {cfg['target_modules']}")
+        print(f"{name}: adapter for {cfg['target_modules']}")
 
 
 def main() -> int:

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.trainer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "gemma3")
+# fixture directory -> family; gemma3-mha has as many kv heads as query heads (fused qkv)
+FIXTURE_FAMILY = {**{f: f for f in FAMILIES}, "gemma3-mha": "gemma3"}
 RANK, ALPHA = 4, 8.0
 TOL = 1e-4
 LLAMA_LIKE = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj")
@@ -45,12 +47,14 @@ def base():
 
 
 def expected_paths(family: str, layers=(0, 1), modules=None) -> set[str]:
+    if modules is None and family == "gemma3-mha":
+        modules = ("attn/qkv_einsum", "attn/attn_vec_einsum") + MLP
     if modules is None:
         modules = (GEMMA if family.startswith("gemma") else LLAMA_LIKE) + MLP
     return {f"layers/{i}/{m}" for i in layers for m in modules}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_default_targets_adapt_every_projection(family, base):
     model, _ = base(family)
     adapted = models.apply_lora(model, RANK, ALPHA)
@@ -68,9 +72,8 @@ def test_default_targets_adapt_every_projection(family, base):
     ]
     assert plain == [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert models.lora_module_paths(model) == []
-    assert adapted.posttrain_lora == lora_lib.LoraSettings(
-        RANK, ALPHA, models.default_lora_targets(family)
-    )
+    default = models.default_lora_targets(FIXTURE_FAMILY[family])
+    assert adapted.posttrain_lora == lora_lib.LoraSettings(RANK, ALPHA, default)
 
 
 def test_lora_starts_as_the_base_model(base):
@@ -93,6 +96,7 @@ def test_lora_starts_as_the_base_model(base):
         ("gemma3", ["q_proj", "k_proj", "v_proj", "o_proj"], GEMMA),
         ("gemma2", ["kv_einsum"], ("attn/kv_einsum",)),
         ("qwen2", "all-linear", LLAMA_LIKE + MLP),
+        ("gemma3-mha", ["q_proj", "k_proj", "v_proj"], ("attn/qkv_einsum",)),
     ],
 )
 def test_named_targets(family, targets, modules, base):
@@ -117,6 +121,7 @@ def test_regex_targets(base):
         ("llama3", ["q_proj", "qproj"], "no module named 'qproj'"),
         ("gemma3", ["gate", "up_proj"], "no module named 'gate'"),
         ("gemma2", ["q_proj", "k_proj"], "k_proj and v_proj are one fused projection"),
+        ("gemma3-mha", ["q_proj", "o_proj"], "fuses q, k and v"),
         ("qwen2", "layers/(", "not a valid regex"),
     ],
 )
@@ -127,7 +132,7 @@ def test_bad_targets_name_the_field(family, targets, message, base):
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_peft_golden(family, base, tmp_path):
     """A committed adapter (that peft loads onto transformers with these logits) gives the
     same logits here, and exporting it again reproduces the committed files."""
@@ -156,7 +161,7 @@ def test_peft_golden(family, base, tmp_path):
     )
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "gemma3-mha"])
 def test_adapter_uses_peft_names_and_shapes(family, base, tmp_path):
     model, info = base(family)
     adapted = models.apply_lora(model, RANK, ALPHA)

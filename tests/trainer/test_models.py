@@ -26,6 +26,8 @@ pytestmark = pytest.mark.trainer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "gemma3")
+# fixture directory -> family; gemma3-mha has as many kv heads as query heads (fused qkv)
+FIXTURE_FAMILY = {**{f: f for f in FAMILIES}, "gemma3-mha": "gemma3"}
 TOL = 1e-4
 
 
@@ -46,9 +48,9 @@ def loaded():
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_detect_family(family):
-    assert models.detect_family(FIXTURES / family) == family
+@pytest.mark.parametrize("fixture", FIXTURE_FAMILY)
+def test_detect_family(fixture):
+    assert models.detect_family(FIXTURES / fixture) == FIXTURE_FAMILY[fixture]
 
 
 def test_detect_family_names_the_field_for_unknown_models(tmp_path):
@@ -59,10 +61,10 @@ def test_detect_family_names_the_field_for_unknown_models(tmp_path):
         models.detect_family(tmp_path)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_logits_match_transformers(family, loaded):
     model, info = loaded(family)
-    assert info.family == family
+    assert info.family == FIXTURE_FAMILY[family]
     ids, expected = golden(family)
     logits = np.asarray(models.forward(model, ids))
     assert logits.shape == expected.shape
@@ -94,7 +96,7 @@ def test_rope_frequencies_come_from_config(loaded):
     np.testing.assert_allclose(np.asarray(models.forward(model, ids)), expected, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "gemma3-mha"])
 def test_param_blocks_read_only_what_they_need(family):
     """Each make_array_from_callback index reads just its block of the HF tensor(s)."""
     info, _ = models.model_info(FIXTURES / family)
@@ -132,7 +134,7 @@ def test_param_blocks_read_only_what_they_need(family):
             np.testing.assert_array_equal(value, tensors[name])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_save_hf_round_trip(family, loaded, tmp_path):
     model, info = loaded(family)
     out = models.save_hf(model, tmp_path / "hf", info)
@@ -149,7 +151,7 @@ def test_save_hf_round_trip(family, loaded, tmp_path):
         == json.loads((FIXTURES / family / "config.json").read_text())["model_type"]
     )
     again, info2 = models.load_model(out)
-    assert info2.family == family
+    assert info2.family == FIXTURE_FAMILY[family]
     ids, expected = golden(family)
     np.testing.assert_allclose(np.asarray(models.forward(again, ids)), expected, atol=TOL, rtol=0)
 
@@ -297,3 +299,32 @@ def test_sharded_load_on_four_devices():
         # embedding [vocab, hidden] is sharded on ('tp', 'fsdp'): each device holds a block
         fsdp, tp = (int(x) for x in name.split("-")[1].split("x"))
         assert r["shard"] == [r["global"][0] // tp, r["global"][1] // fsdp], (name, r)
+
+
+def test_gemma3_multimodal_layout(loaded, tmp_path):
+    """Gemma 3 4B+ checkpoints (Gemma3ForConditionalGeneration) nest the text config and
+    prefix the decoder's tensors; the text model loads from them, and exports as
+    Gemma3ForCausalLM."""
+    from safetensors.numpy import load_file, save_file
+
+    src = FIXTURES / "gemma3"
+    text = json.loads((src / "config.json").read_text())
+    cfg = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = {
+        f"model.language_model.{k[len('model.') :]}": v
+        for k, v in load_file(src / "model.safetensors").items()
+    }
+    tensors["model.vision_tower.unused.weight"] = np.zeros((2, 2), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    model, info = models.load_model(tmp_path)
+    assert (info.family, info.hf_prefix) == ("gemma3", "model.language_model.")
+    ids, expected = golden("gemma3")
+    np.testing.assert_allclose(np.asarray(models.forward(model, ids)), expected, atol=TOL, rtol=0)
+    out = models.save_hf(model, tmp_path / "text", info)
+    assert set(load_file(out / "model.safetensors")) == set(load_file(src / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]

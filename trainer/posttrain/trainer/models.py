@@ -1001,24 +1001,32 @@ def _hf_dtype_name(dtype: np.dtype) -> str:
 def hf_state(
     model: nnx.Module, info: ModelInfo
 ) -> Iterable[tuple[str, Callable[[], np.ndarray], tuple, np.dtype]]:
-    """Lazily, every HF tensor of ``model`` (LoRA merged in): (name, produce, shape, dtype)."""
+    """Lazily, every HF tensor of ``model`` (LoRA merged in): (name, produce, shape, dtype).
+
+    Names use the ``*ForCausalLM`` layout (``model.layers...``) whatever the source was.
+    """
     from posttrain.trainer import lora as lora_lib
 
+    info = dataclasses.replace(info, hf_prefix="model.")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     deltas = lora_lib.merged_deltas(model, info)
     for m in param_maps(info):
         var = flat[m.path]
         dtype = np.dtype(var.get_value().dtype)
+        memo: dict[str, np.ndarray] = {}
 
-        def produce_all(m=m, var=var):
-            return m.to_hf(host_array(var.get_value()))
+        def produce_all(m=m, var=var, memo=memo):
+            if not memo:  # a fused param (Gemma's kv_einsum) is gathered once
+                memo.update(m.to_hf(host_array(var.get_value())))
+            return memo
 
         for name in m.sources:
 
-            def produce(name=name, produce_all=produce_all, dtype=dtype):
+            def produce(name=name, produce_all=produce_all, dtype=dtype, memo=memo):
                 value = produce_all()[name]
                 if name in deltas:
                     value = (value.astype(np.float32) + deltas[name]()).astype(dtype)
+                del memo[name]  # freed once every source of the param was produced
                 return value
 
             yield name, produce, m.hf_shape, dtype
