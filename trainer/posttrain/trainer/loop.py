@@ -82,17 +82,19 @@ def local_model_dir(source: str, cache: Path) -> str:
     return source
 
 
-def _global_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+def _global_batch(
+    batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh, keys: tuple[str, ...] = BATCH_KEYS
+) -> dict[str, jax.Array]:
     """Per-host rows -> global arrays, batch dimension sharded over every device."""
     devices = mesh.devices.size
-    rows = batch["input_ids"].shape[0] * jax.process_count()
+    rows = batch[keys[0]].shape[0] * jax.process_count()
     spec = (
         jax.sharding.PartitionSpec(("fsdp", "tp"))
         if rows % devices == 0
         else jax.sharding.PartitionSpec()
     )
     sharding = jax.sharding.NamedSharding(mesh, spec)
-    return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
 
 
 def _trainable(model: nnx.Module, wrt: Any, opt: nnx.Optimizer) -> dict[str, Any]:
@@ -137,6 +139,14 @@ class OutputDir:
             storage.upload_dir(self.local, self.uri)
 
 
+# Modules of the other techniques; each has train(job, process, show_bar=, stop=).
+TECHNIQUES = {
+    "dpo": "posttrain.trainer.dpo",
+    "grpo": "posttrain.trainer.grpo",
+    "distill": "posttrain.trainer.distill",
+}
+
+
 def train(
     job: PostTrainJob, process: ProcessInfo, *, show_bar: bool = True, stop: StopFlag | None = None
 ) -> Result:
@@ -144,14 +154,42 @@ def train(
     exists under output.uri/checkpoints."""
     spec = job.spec
     if spec.technique != "sft":
-        raise ValueError(
-            f"spec.technique: {spec.technique} is not available in this trainer yet (sft is)"
-        )
+        import importlib
+
+        module = importlib.import_module(TECHNIQUES[str(spec.technique)])
+        return module.train(job, process, show_bar=show_bar, stop=stop)
     stop = stop if stop is not None else StopFlag()
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    is_main = jax.process_index() == 0
-
     mesh = models.make_mesh()
+    policy = load_policy(spec, mesh, scratch)
+    tokenizer = data.load_tokenizer(policy.model_dir)
+    loader = data.build_loader(
+        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
+    )
+    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+    step_fn = sft.make_train_step(policy.wrt, spec.training.gradient_accumulation)
+
+    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        loss, grad_norm, _, seen = step_fn(policy.model, opt, _global_batch(host_batch, mesh))
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": seen}
+
+    return run_steps(
+        job, policy, opt, loader, step, mesh=mesh, scratch=scratch, show_bar=show_bar, stop=stop
+    )
+
+
+@dataclass
+class Policy:
+    """The model being trained, what it was loaded from, and which params train."""
+
+    model: nnx.Module
+    info: models.ModelInfo
+    wrt: Any  # nnx.Param (full fine-tune) or nnx.LoRAParam
+    model_dir: str
+
+
+def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
+    """spec.model loaded on the mesh, with spec.lora's adapters (restored when asked)."""
     # Full fine-tunes keep float32 master weights; LoRA keeps the frozen base in model.dtype.
     param_dtype = DTYPES[spec.model.dtype] if spec.lora else jnp.float32
     model_dir = local_model_dir(spec.model.source, Path.home() / ".cache" / "posttrain" / "models")
@@ -173,14 +211,34 @@ def train(
                 model, local_model_dir(spec.lora.restore_from, scratch / "adapter")
             )
         wrt = nnx.LoRAParam
+    return Policy(model, info, wrt, model_dir)
 
-    tokenizer = data.load_tokenizer(model_dir)
-    loader = data.build_loader(
-        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
-    )
+
+def run_steps(
+    job: PostTrainJob,
+    policy: Policy,
+    opt: nnx.Optimizer,
+    loader: data.DataLoader,
+    step: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    scratch: Path,
+    show_bar: bool,
+    stop: StopFlag,
+) -> Result:
+    """The loop every technique shares: resume from the newest checkpoint (params,
+    optimizer state, data position), call `step(host_batch, index)` for each optimizer
+    step (index counts from 0) until spec.training.steps or a stop, report and
+    checkpoint, then export.
+
+    `step` returns a dict of metrics: 'loss' (required), 'tokens' (tokens processed, for
+    tokens/s; optional) and any other scalars, which go to TensorBoard as train/<name>.
+    Values may be device arrays; they are read back only on log steps.
+    """
+    spec = job.spec
+    model, wrt = policy.model, policy.wrt
+    is_main = jax.process_index() == 0
     schedule = optim.learning_rate_schedule(spec.training)
-    opt = nnx.Optimizer(model, optim.optimizer(spec.training), wrt=wrt)
-
     checkpoints = Checkpoints(
         storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep, spec.checkpoint.async_
     )
@@ -202,23 +260,22 @@ def train(
         StatusWriter.from_env() if is_main else None,
         show_bar,
     )
-    step_fn = sft.make_train_step(wrt, spec.training.gradient_accumulation)
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
     with jax.set_mesh(mesh):
         _shard_like_params(opt, mesh)
         while result.step < total and not stop:
-            batch = _global_batch(next(loader), mesh)
-            loss, grad_norm, _, seen = step_fn(model, opt, batch)
+            out = dict(step(next(loader), result.step))
+            loss = out.pop("loss")
             result.step += 1
-            window_tokens += int(seen)
+            window_tokens += int(out.pop("tokens", 0))
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
             if log_now:
                 elapsed = max(time.monotonic() - window_start, 1e-9)
                 metrics = {
                     "loss": float(loss),
                     "learning_rate": float(schedule(result.step - 1)),
-                    "grad_norm": float(grad_norm),
+                    **{k: float(v) for k, v in out.items()},
                     "tokens_per_second": window_tokens / elapsed,
                 }
                 result.losses[result.step] = metrics["loss"]
@@ -236,7 +293,7 @@ def train(
     checkpoints.close()
     result.stopped_early = result.step < total
     if not result.stopped_early:
-        result.export_dir = _export(job, model, info, scratch)
+        result.export_dir = _export(job, model, policy.info, scratch)
     progress.close(result.step, metrics)
     tensorboard.sync()
     return result

@@ -1,0 +1,515 @@
+"""GRPO (technique grpo) on Tunix's RL stack, inside posttrain's training loop.
+
+Tunix does the RL work: an ``RLCluster`` (``ClusterConfig``, ``RLTrainingConfig``) holds
+the policy, its optimizer and the rollout engine (``vanilla``: Tunix's JAX sampler,
+sharing the policy's weights; ``vllm`` where installed); a ``GRPOLearner`` holds the
+``GRPOConfig`` (numGenerations, beta, epsilon, loss algorithm grpo / gspo-token) and the
+reward manager over ``posttrain.trainer.rewards``; Tunix's group-relative advantage
+estimator and its registered policy loss (clipped ratio objective plus beta * KL to the
+reference) make the update.
+
+posttrain drives each step itself (``loop.run_steps``) rather than calling
+``GRPOLearner.train``:
+
+- exact resume: checkpoints hold trainable params, optimizer state and the data
+  position (``checkpoint.Checkpoints``); rollouts are seeded from (seed, step, host), so a
+  resumed run samples the very completions the uninterrupted run sampled;
+- multi-host: the learner's own step builds its arrays from host-local rollouts and
+  cannot use them with parameters sharded over other hosts (Tunix's open issue with
+  non-addressable arrays). Here every host samples its own prompts' completions on a
+  host-local copy of the policy (``HostLocalRollout``: the policy's params gathered with
+  ``process_allgather``, refreshed after every update; only the LoRA params when LoRA is
+  on), and the per-host results become global arrays for one sharded update;
+- the reference model costs nothing extra with LoRA: it is the policy with its adapters
+  zeroed, inside the same jitted step. A full fine-tune keeps a frozen copy. beta 0 skips
+  the reference entirely.
+
+Completions end with the EOS token when the model stopped (Tunix's sampler drops it), so
+stopping is part of what the policy learns. The KL term uses the k3 estimator
+(``low_var_kl``, as in the GRPO paper).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from posttrain.api.spec import PostTrainJob
+from posttrain.trainer import data, loop, models, optim, rewards
+from posttrain.trainer.distributed import ProcessInfo
+
+log = logging.getLogger("posttrain.grpo")
+
+BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "rewards")
+
+
+class TunixTokenizer:
+    """posttrain's tokenizer in the shape Tunix's TokenizerAdapter takes.
+
+    Prompts come rendered by the chat template (which writes the special tokens), so no
+    BOS is added; ``encode`` keeps a prompt's last ``max_prompt_length`` tokens
+    (spec.grpo.maxPromptLength: left-truncated), so every rollout has the same shape.
+    """
+
+    def __init__(self, tokenizer: data.Tokenizer, max_prompt_length: int):
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        if tokenizer.eos_id is None:
+            raise ValueError(
+                "spec.model.source: the tokenizer has no eos_token; GRPO needs one to end "
+                "completions (set eos_token in tokenizer_config.json)"
+            )
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(text)[-self.max_prompt_length :]
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def bos_id(self) -> int | None:
+        return None
+
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_id)
+
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_id)
+
+
+_TUNIX_CALL_CLASSES: dict[type, type] = {}
+
+
+def tunix_call_signature(model: nnx.Module) -> nnx.Module:
+    """Make `model` callable by Tunix's RL code; returns it (changed in place).
+
+    Tunix's ``compute_per_token_logps`` passes ``segment_ids`` to any model whose
+    ``__call__`` takes ``**kwargs``. posttrain's Llama3 (``models.Llama3``, and qwix's
+    LoRA subclass of it) takes ``*args, **kwargs`` and forwards them to Tunix's Llama3,
+    which has no ``segment_ids``. This gives the instance a subclass whose ``__call__``
+    shows the signature of the Tunix model it wraps (as qwix itself swaps the class of a
+    model it adapts). A model whose ``__call__`` has an explicit signature is unchanged.
+    """
+    cls = type(model)
+    params = inspect.signature(cls.__call__).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return model
+    wrapped = next(
+        (
+            vars(b)["__call__"]
+            for b in cls.__mro__
+            if b.__module__.startswith("tunix.") and "__call__" in vars(b)
+        ),
+        None,
+    )
+    if wrapped is None:
+        return model
+    signature = inspect.signature(wrapped)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return model
+    if cls not in _TUNIX_CALL_CLASSES:
+        call = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            return call(self, *args, **kwargs)
+
+        __call__.__signature__ = signature  # type: ignore[attr-defined]
+        _TUNIX_CALL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    model.__class__ = _TUNIX_CALL_CLASSES[cls]
+    return model
+
+
+def _local_mesh() -> jax.sharding.Mesh:
+    return models.make_mesh(devices=jax.local_devices())
+
+
+def _to_local(value: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The full value of a (possibly multi-host) array, replicated on this host's mesh."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(models.host_array(value), sharding)
+
+
+def _local_copy(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
+    return jax.tree.map(lambda v: _to_local(v, mesh), state)
+
+
+def _make_host_local_rollout_class():
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+    class HostLocalRollout(base_rollout.BaseRollout):
+        """Tunix's vanilla rollout on a host-local replica of the policy.
+
+        With several processes the policy's arrays span hosts and Tunix's sampler (which
+        feeds host-local prompt arrays) cannot run on them. Each host samples on its own
+        replica instead: built once from the gathered params, then refreshed by
+        ``update_params`` with the trainable params after every update.
+        """
+
+        def __init__(
+            self,
+            rollout_actor: nnx.Module,
+            tokenizer: Any,
+            mesh: jax.sharding.Mesh,
+            rollout_config: Any,
+            cache_config: Any,
+        ):
+            self.mesh = mesh
+            graphdef, state = nnx.split(rollout_actor)
+            self._local_model = nnx.merge(graphdef, _local_copy(state, mesh))
+            self._inner = vanilla_rollout.VanillaRollout(
+                self._local_model, tokenizer, cache_config_or_size=cache_config
+            )
+
+        def generate(self, prompts, rollout_config, **kwargs):
+            with jax.set_mesh(self.mesh):
+                return self._inner.generate(prompts, rollout_config, **kwargs)
+
+        def get_per_token_logps(self, prompt_tokens, completion_tokens):
+            return self._inner.get_per_token_logps(prompt_tokens, completion_tokens)
+
+        def update_params(self, params, filter_types=None):
+            nnx.update(self._local_model, _local_copy(params, self.mesh))
+
+        def pad_id(self) -> int:
+            return self._inner.pad_id()
+
+        def eos_id(self) -> int:
+            return self._inner.eos_id()
+
+        def model(self) -> nnx.Module:
+            return self._local_model
+
+    return HostLocalRollout
+
+
+def check_rollout_engine(engine: str) -> None:
+    """vllm only where the package is installed; the message names the field."""
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "spec.grpo.rolloutEngine: vllm is not installed in this trainer image; use "
+            "rolloutEngine: vanilla (Tunix's JAX sampler) or an image with vllm (and "
+            "tpu-inference on TPU)"
+        )
+
+
+def _eos_padded(tokens: list[np.ndarray], length: int, eos: int, pad: int) -> np.ndarray:
+    """Completions [n, length], right-padded; EOS appended where the model stopped."""
+    out = np.full((len(tokens), length), pad, np.int32)
+    mask = np.zeros((len(tokens), length), np.int32)
+    for i, t in enumerate(tokens):
+        t = list(np.asarray(t, np.int32)[:length])
+        if len(t) < length:
+            t.append(eos)
+        out[i, : len(t)] = t
+        mask[i, : len(t)] = 1
+    return out, mask
+
+
+def _zero_lora(state: nnx.State) -> nnx.State:
+    """The state with every LoRA param zero: the base model, adapters off."""
+    lora_state, rest = nnx.split_state(state, nnx.LoRAParam, ...)
+    return nnx.merge_state(jax.tree.map(jnp.zeros_like, lora_state), rest)
+
+
+def make_train_step(
+    wrt: Any, algo_config: Any, pad_id: int, eos_id: int, accumulation: int, use_ref: str
+):
+    """The jitted GRPO update: reference log-probs (none, the policy with zeroed LoRA, or a
+    frozen model), Tunix's policy loss over `accumulation` micro-batches, one optimizer
+    update. Returns metrics (device scalars)."""
+    from tunix.rl import common, function_registry
+
+    policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
+    temperature = float(algo_config.temperature)
+
+    def ref_logps(model, ref_model, batch):
+        if use_ref == "none":
+            return None
+        if use_ref == "lora":
+            graphdef, state = nnx.split(model)
+            state = _zero_lora(state)
+        else:
+            graphdef, state = nnx.split(ref_model)
+        return common.compute_per_token_logps(
+            graphdef,
+            state,
+            prompt_tokens=batch["prompt_ids"],
+            completion_tokens=batch["completion_ids"],
+            pad_id=pad_id,
+            eos_id=eos_id,
+            stop_gradient=True,
+            temperature=temperature,
+        )
+
+    def loss_fn(model, example):
+        return policy_loss(model, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
+
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
+
+    def step(model, optimizer, ref_model, batch):
+        n = batch["prompt_ids"].shape[0]
+        micro = {
+            k: v.reshape(accumulation, n // accumulation, *v.shape[1:]) for k, v in batch.items()
+        }
+        loss = kl = clip = entropy = jnp.zeros((), jnp.float32)
+        grads = None
+        for i in range(accumulation):
+            mb = {k: v[i] for k, v in micro.items()}
+            ref = ref_logps(model, ref_model, mb)
+            example = common.TrainExample(
+                prompt_ids=mb["prompt_ids"],
+                prompt_mask=mb["prompt_ids"] != pad_id,
+                completion_ids=mb["completion_ids"],
+                completion_mask=mb["completion_mask"],
+                advantages=mb["advantages"],
+                ref_per_token_logps=ref,
+                old_per_token_logps=None,
+            )
+            (l, aux), g = grad_fn(model, example)
+            loss, kl = loss + l, kl + aux["kl"]
+            clip, entropy = clip + aux["pg_clipfrac"], entropy + aux["entropy"]
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        scale = 1.0 / accumulation
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        optimizer.update(model, grads)
+        mask = batch["completion_mask"].astype(jnp.float32)
+        out = {
+            "loss": loss * scale,
+            "grad_norm": optax.global_norm(grads),
+            "kl": kl * scale,
+            "clip_fraction": clip * scale,
+            "entropy": entropy * scale,
+            "reward": jnp.mean(jnp.sum(batch["rewards"], axis=-1)),
+            "reward_std": jnp.std(jnp.sum(batch["rewards"], axis=-1)),
+            "reward_parts": jnp.mean(batch["rewards"], axis=0),
+            "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
+            "tokens": jnp.sum(mask),
+        }
+        return out
+
+    return nnx.jit(step, donate_argnames=("optimizer",))
+
+
+class GrpoRun:
+    """The pieces of a GRPO run and its per-step work (rollout, rewards, update)."""
+
+    def __init__(
+        self,
+        job: PostTrainJob,
+        process: ProcessInfo,
+        policy: loop.Policy,
+        tokenizer: data.Tokenizer,
+        mesh: jax.sharding.Mesh,
+    ):
+        from tunix.rl import function_registry
+        from tunix.rl import rl_cluster as rlc
+        from tunix.rl.grpo import grpo_learner
+        from tunix.rl.rollout import base_rollout
+
+        spec = job.spec
+        g = spec.grpo
+        check_rollout_engine(str(g.rollout_engine))
+        self.spec, self.g, self.policy, self.mesh = spec, g, policy, mesh
+        self.process = process
+        self.tok = TunixTokenizer(tokenizer, g.max_prompt_length)
+        self.pad_id, self.eos_id = self.tok.pad_id(), self.tok.eos_id()
+        self.reward_fns = rewards.build_rewards(
+            g, count_tokens=lambda text: len(tokenizer.encode(text))
+        )
+        self.reward_names = [fn.__name__ for fn in self.reward_fns]
+
+        tunix_call_signature(policy.model)
+        # Reference: none (beta 0), the policy with adapters zeroed (LoRA), or a frozen copy.
+        self.ref_kind = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
+        self.ref_model = None
+        if self.ref_kind == "model":
+            self.ref_model, _ = models.load_model(
+                policy.model_dir,
+                family=spec.model.family,
+                mesh=mesh,
+                dtype=loop.DTYPES[spec.model.dtype],
+            )
+            tunix_call_signature(self.ref_model)
+
+        self.rollout_config = base_rollout.RolloutConfig(
+            max_tokens_to_generate=g.max_completion_length,
+            max_prompt_length=g.max_prompt_length,
+            kv_cache_size=g.max_prompt_length + g.max_completion_length,
+            temperature=g.temperature,
+            top_p=1.0,
+            eos_tokens=[self.eos_id],
+        )
+        cfg = policy.model.config
+        cache_config = base_rollout.CacheConfig(
+            cache_size=self.rollout_config.kv_cache_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+        # One process: the sampler shares the policy's weights. Several: each host samples
+        # on a host-local replica (see HostLocalRollout).
+        self.host_local = process.multi_process or jax.process_count() > 1
+        rollout_mesh = mesh
+        engine: Any = str(g.rollout_engine)
+        if engine == "vllm":
+            self.rollout_config.rollout_vllm_model_version = policy.model_dir
+            if spec.lora:
+                self.rollout_config.rollout_vllm_lora_config = {"max_lora_rank": spec.lora.rank}
+        elif self.host_local:
+            rollout_mesh = _local_mesh()
+            engine = functools.partial(_make_host_local_rollout_class(), cache_config=cache_config)
+        training_config = rlc.RLTrainingConfig(
+            actor_optimizer=optim.optimizer(spec.training),
+            eval_every_n_steps=10**9,
+            max_steps=spec.training.steps,
+        )
+        cluster_config = rlc.ClusterConfig(
+            role_to_mesh={
+                rlc.Role.ACTOR: mesh,
+                rlc.Role.REFERENCE: mesh,
+                rlc.Role.ROLLOUT: rollout_mesh,
+            },
+            rollout_engine=engine,
+            training_config=training_config,
+            rollout_config=self.rollout_config,
+        )
+        with jax.set_mesh(mesh):
+            self.cluster = rlc.RLCluster(
+                actor=policy.model,
+                reference=None,  # computed in the train step (see module docstring)
+                tokenizer=self.tok,
+                cluster_config=cluster_config,
+            )
+            self.algo_config = grpo_learner.GRPOConfig(
+                num_generations=g.num_generations,
+                num_iterations=1,
+                beta=g.beta,
+                epsilon=g.epsilon,
+                loss_algo=str(g.loss_algorithm),
+                kl_loss_mode="low_var_kl",
+            )
+            self.learner = grpo_learner.GRPOLearner(
+                rl_cluster=self.cluster,
+                algo_config=self.algo_config,
+                reward_fns=self.reward_fns,
+            )
+        # The learner sets algo_config.temperature from the rollout config.
+        self.advantages = function_registry.get_advantage_estimator(
+            self.algo_config.advantage_estimator
+        )
+        self.shares_weights = self.cluster.rollout.model() is policy.model or (
+            engine == "vanilla" and not self.host_local
+        )
+        self.opt = self.cluster.actor_trainer.optimizer
+        self.train_step = make_train_step(
+            policy.wrt,
+            self.algo_config,
+            self.pad_id,
+            self.eos_id,
+            spec.training.gradient_accumulation,
+            self.ref_kind,
+        )
+        self.rollout_seconds = 0.0
+        self.rollout_tokens = 0
+
+    # ---------------------------------------------------------------- per step
+
+    def sync_rollout(self) -> None:
+        """Give the rollout engine the policy's current trainable params."""
+        if self.shares_weights:
+            return
+        wrt = self.policy.wrt
+        self.cluster.rollout.update_params(nnx.state(self.policy.model, wrt), (wrt,))
+
+    def rollout(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
+        """Sample numGenerations completions of this host's prompts and score them."""
+        G = self.g.num_generations
+        prompts = [str(p) for p in host_batch["prompts"] for _ in range(G)]
+        answers = np.repeat(np.asarray(host_batch["answer"], dtype=object), G)
+        self.sync_rollout()
+        # Seeded by (seed, step, host): a resumed run samples what the first run sampled.
+        key = jax.random.PRNGKey(self.spec.training.seed)
+        key = jax.random.fold_in(jax.random.fold_in(key, index), self.process.process_id)
+        self.rollout_config.seed = key
+        start = time.monotonic()
+        out = self.cluster.generate(prompts)
+        self.rollout_seconds += time.monotonic() - start
+        completion_ids, completion_mask = _eos_padded(
+            out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
+        )
+        self.rollout_tokens += int(completion_mask.sum())
+        info = self.learner.reward_manager(
+            prompts=prompts, completions=out.text, answer=answers, mode="train"
+        )
+        parts = np.stack(
+            [
+                np.asarray(info["log_metrics"][f"rewards/{n}"][0], np.float32)
+                for n in self.reward_names
+            ],
+            axis=-1,
+        )
+        total = np.asarray(info["rewards"], np.float32)
+        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
+        self.last_texts = out.text
+        return {
+            "prompt_ids": np.asarray(out.left_padded_prompt_tokens, np.int32),
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+            "rewards": parts,
+        }
+
+    def __call__(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        rolled = self.rollout(host_batch, index)
+        batch = loop._global_batch(rolled, self.mesh, BATCH_KEYS)
+        out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        parts = out.pop("reward_parts")
+        for j, name in enumerate(self.reward_names):
+            out[f"reward/{name}"] = parts[j]
+        return out
+
+
+def train(
+    job: PostTrainJob,
+    process: ProcessInfo,
+    *,
+    show_bar: bool = True,
+    stop: loop.StopFlag | None = None,
+) -> loop.Result:
+    """GRPO for spec.training.steps steps of spec.training.batchSize prompts (each with
+    spec.grpo.numGenerations completions), resuming from the newest checkpoint."""
+    spec = job.spec
+    if spec.grpo is None:
+        raise ValueError("spec.grpo: technique grpo needs a spec.grpo block with rewards")
+    check_rollout_engine(str(spec.grpo.rollout_engine))
+    stop = stop if stop is not None else loop.StopFlag()
+    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
+    mesh = models.make_mesh()
+    policy = loop.load_policy(spec, mesh, scratch)
+    tokenizer = data.load_tokenizer(policy.model_dir)
+    loader = data.build_loader(
+        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
+    )
+    run = GrpoRun(job, process, policy, tokenizer, mesh)
+    return loop.run_steps(
+        job,
+        policy,
+        run.opt,
+        loader,
+        run,
+        mesh=mesh,
+        scratch=scratch,
+        show_bar=show_bar,
+        stop=stop,
+    )

@@ -1,0 +1,171 @@
+"""GRPO rewards from spec.grpo.rewards: built-ins and users' Python functions.
+
+Every reward is a function ``fn(prompts, completions, **columns) -> list[float]`` (the
+signature Tunix's reward manager calls); ``columns`` holds the dataset columns of the
+batch (``answer``), repeated once per completion. The total reward of a completion is
+the weighted sum of all rewards.
+
+- exactAnswer: 1 when the last number in the completion equals the answer column
+  (compared as numbers when both parse, else as stripped text), else 0.
+- regexFormat: 1 when ``re.search(pattern, completion)`` finds a match (``.`` matches
+  newlines), else 0.
+- lengthPenalty: ``-(tokens - targetLength) / targetLength`` when the completion has more
+  than targetLength tokens, else 0.
+- python: ``module:callable`` imported from the trainer's Python path.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from posttrain.api.spec import GrpoSpec, RewardSpec
+
+RewardFn = Callable[..., list[float]]
+
+# Arguments Tunix passes to reward functions that are not dataset columns.
+_NOT_COLUMNS = frozenset({"mode", "trajectory_ids", "row_index"})
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in text ('1,234' -> '1234'), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        x, y = float(a), float(b.replace(",", "").strip())
+    except ValueError:
+        return a.strip() == b.strip()
+    return math.isclose(x, y, rel_tol=0.0, abs_tol=1e-9)
+
+
+def exact_answer(completions: Sequence[str], answers: Sequence[Any]) -> list[float]:
+    out = []
+    for text, answer in zip(completions, answers, strict=True):
+        got = last_number(text)
+        out.append(1.0 if got is not None and _same_number(got, str(answer)) else 0.0)
+    return out
+
+
+def regex_format(completions: Sequence[str], pattern: re.Pattern[str]) -> list[float]:
+    return [1.0 if pattern.search(text) else 0.0 for text in completions]
+
+
+def length_penalty(lengths: Sequence[int], target: int) -> list[float]:
+    return [-(n - target) / target if n > target else 0.0 for n in lengths]
+
+
+def _columns(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in _NOT_COLUMNS}
+
+
+def _named(fn: RewardFn, name: str) -> RewardFn:
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def import_function(path: str, field: str) -> Callable[..., Any]:
+    """The callable at 'module:callable', or ValueError naming the spec field."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise ValueError(
+            f"{field}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
+            "install it in the trainer image or put it on PYTHONPATH"
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def build_reward(
+    spec: RewardSpec,
+    index: int,
+    *,
+    count_tokens: Callable[[str], int] | None = None,
+) -> RewardFn:
+    """One weighted reward function for spec.grpo.rewards[index]."""
+    field = f"spec.grpo.rewards[{index}]"
+    weight = float(spec.weight)
+    kind = str(spec.type)
+    name = f"{kind}_{index}"
+
+    if kind == "exactAnswer":
+
+        def reward(prompts, completions, **kwargs):
+            answers = kwargs.get("answer")
+            if answers is None:
+                raise ValueError(
+                    f"{field}: exactAnswer needs the answer column (spec.data.columns.answer)"
+                )
+            return [weight * r for r in exact_answer(completions, list(answers))]
+
+    elif kind == "regexFormat":
+        if not spec.pattern:
+            raise ValueError(f"{field}.pattern: a regexFormat reward needs pattern")
+        try:
+            pattern = re.compile(spec.pattern, re.DOTALL)
+        except re.error as e:
+            raise ValueError(f"{field}.pattern: not a valid regular expression: {e}") from e
+
+        def reward(prompts, completions, **kwargs):
+            return [weight * r for r in regex_format(completions, pattern)]
+
+    elif kind == "lengthPenalty":
+        if spec.target_length is None:
+            raise ValueError(
+                f"{field}.targetLength: a lengthPenalty reward needs targetLength (tokens)"
+            )
+        target = int(spec.target_length)
+        count = count_tokens or (lambda text: len(text.split()))
+
+        def reward(prompts, completions, **kwargs):
+            return [weight * r for r in length_penalty([count(c) for c in completions], target)]
+
+    elif kind == "python":
+        if not spec.function:
+            raise ValueError(f"{field}.function: a python reward needs function (module:callable)")
+        user_fn = import_function(spec.function, f"{field}.function")
+
+        def reward(prompts, completions, **kwargs):
+            got = user_fn(prompts=list(prompts), completions=list(completions), **_columns(kwargs))
+            values = [float(v) for v in got]
+            if len(values) != len(completions):
+                raise ValueError(
+                    f"{field}.function: {spec.function} returned {len(values)} rewards for "
+                    f"{len(completions)} completions"
+                )
+            return [weight * v for v in values]
+
+    else:  # pragma: no cover - the API enum has no other values
+        raise ValueError(f"{field}.type: unknown reward type {kind!r}")
+    return _named(reward, name)
+
+
+def build_rewards(
+    grpo: GrpoSpec, *, count_tokens: Callable[[str], int] | None = None
+) -> list[RewardFn]:
+    """The weighted reward functions of spec.grpo, in order."""
+    return [build_reward(r, i, count_tokens=count_tokens) for i, r in enumerate(grpo.rewards)]
+
+
+def total_rewards(
+    fns: Sequence[RewardFn], prompts: Sequence[str], completions: Sequence[str], **columns: Any
+) -> list[float]:
+    """The summed reward of each completion (for evaluation outside Tunix)."""
+    totals = [0.0] * len(completions)
+    for fn in fns:
+        for j, v in enumerate(fn(prompts=prompts, completions=completions, **columns)):
+            totals[j] += v
+    return totals
