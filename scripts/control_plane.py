@@ -58,14 +58,15 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD_MODULES = ROOT / "scripts" / "control-plane"
 CACHE_DIR = ROOT / ".cache" / "control-plane"
 BIN_DIR = CACHE_DIR / "bin"
-RUN_DIR = CACHE_DIR / "run"
+# POSTTRAIN_CONTROL_PLANE_RUN_DIR runs a second, independent plane (own ports, pki, etcd).
+RUN_DIR = Path(os.environ.get("POSTTRAIN_CONTROL_PLANE_RUN_DIR") or CACHE_DIR / "run").resolve()
 KUBECONFIG = RUN_DIR / "kubeconfig"
 STATE_FILE = RUN_DIR / "state.json"
 PID_DIR = RUN_DIR / "pids"
 LOG_DIR = RUN_DIR / "logs"
 PKI_DIR = RUN_DIR / "pki"
 SESSIONS_DIR = RUN_DIR / "sessions"
-LOCK_FILE = CACHE_DIR / ".lock"
+LOCK_FILE = RUN_DIR.parent / f".{RUN_DIR.name}.lock"
 
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"
@@ -643,7 +644,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
     with open(LOCK_FILE, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -673,8 +674,10 @@ def _pid(name: str) -> int | None:
 
 def _alive(pid: int, name: str) -> bool:
     child = _children.get(pid)
-    if child is not None and child.poll() is not None:
-        return False
+    if child is not None:
+        # Our own child: poll() reaps it once it exited. (Its /proc cmdline is briefly
+        # empty right after exec, so do not judge it by that.)
+        return child.poll() is None
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -1359,6 +1362,40 @@ def _start_kueue(state: State) -> None:
             ]
         },
     )
+    _kueue_conversion(f"https://127.0.0.1:{webhook}/convert", ca)
+
+
+def _kueue_conversion_crds() -> list[str]:
+    """CRDs Kueue's kustomization patches to a conversion webhook (v1beta1 <-> v1beta2)."""
+    import yaml
+
+    crd_dir = module_dir("sigs.k8s.io/kueue", KUEUE_VERSION) / "config/components/crd"
+    kustomization = yaml.safe_load((crd_dir / "kustomization.yaml").read_text()) or {}
+    names = []
+    for patch in kustomization.get("patches", []):
+        doc = yaml.safe_load((crd_dir / patch["path"]).read_text())
+        if (doc.get("spec", {}).get("conversion") or {}).get("strategy") == "Webhook":
+            names.append(doc["metadata"]["name"])
+    return names
+
+
+def _kueue_conversion(url: str | None, ca: bytes = b"") -> None:
+    """Point Kueue's multi-version CRDs at its /convert webhook (url=None: back to None)."""
+    import base64
+
+    if url:
+        conversion = {
+            "strategy": "Webhook",
+            "webhook": {
+                "clientConfig": {"url": url, "caBundle": base64.b64encode(ca).decode()},
+                "conversionReviewVersions": ["v1"],
+            },
+        }
+    else:
+        conversion = {"strategy": "None", "webhook": None}
+    patch = json.dumps({"spec": {"conversion": conversion}})
+    for name in _kueue_conversion_crds():
+        kubectl("patch", "crd", name, "--type=merge", "-p", patch, check=url is not None)
 
 
 _STARTERS: dict[str, Callable[[State], None]] = {
@@ -1445,9 +1482,10 @@ def up(
             if full and nodes:
                 create_nodes(default_nodes())  # idempotent (server-side apply)
         except BaseException:
-            if started:
-                log(f"startup failed; stopping {', '.join(started)}")
-                _down_locked(started)
+            # Also stop the component that failed to come up (it may still run).
+            failed = [n for n in wanted if n not in now and n not in started][:1]
+            log(f"startup failed; stopping {', '.join(started + failed)}")
+            _down_locked(started + failed)
             raise
     return started
 
@@ -1462,6 +1500,8 @@ def _down_locked(components: Sequence[str] | None = None) -> list[str]:
         for name, prefix in WEBHOOK_PREFIXES.items():
             if name in targets and _pid(name) is not None:
                 _delete_webhooks(prefix)
+        if "kueue" in targets and _pid("kueue") is not None:
+            _kueue_conversion(None)
     for name in reversed(FULL):
         if name in targets and _stop(name):
             stopped.append(name)
@@ -1533,7 +1573,7 @@ def leave_session() -> list[str]:
 def _print_status(st: dict[str, Any]) -> None:
     for name, c in st["components"].items():
         state = f"running pid {c['pid']}" if c["running"] else "stopped"
-        port = st["ports"].get(name, "")
+        port = st["ports"].get(name) or st["ports"].get(f"{name}-webhook", "")
         owner = f"(started by {c['owner']})" if c["running"] and c["owner"] else ""
         print(f"{name:<24} {state:<20} {port!s:<6} {owner}")
     print(f"apiserver ready: {st['apiserver_ready']}")

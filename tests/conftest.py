@@ -26,6 +26,12 @@ if str(_ROOT) not in sys.path:
 from tests.cluster import Cluster, ControlPlaneError, start, stop  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run e2e tests last: the `cluster` fixture upgrades the session's plane to the full
+    tier (controllers that act on JobSets/pods), and integration tests expect none."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
 @pytest.fixture(scope="session")
 def _control_plane_session() -> Iterator[list[Cluster]]:
     """Owns the session's lease on the control plane; tears down once, at the end."""

@@ -102,6 +102,19 @@ def test_tpu_slice_jobset_completes(cluster: Cluster, namespace: str) -> None:
     assert len(pools) == 1, f"exclusive placement must keep the slice in one node pool: {pools}"
     for p in pods:
         assert p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] == "smoke"
+    # JobSet's pod webhook implements exclusive placement: the leader (index 0) gets
+    # pod (anti-)affinity on the node-pool key, followers a nodeSelector for its pool.
+    by_index = {
+        p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]: p for p in pods
+    }
+    leader_affinity = by_index["0"]["spec"].get("affinity", {})
+    assert (
+        leader_affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
+            "topologyKey"
+        ]
+        == NODEPOOL
+    )
+    assert by_index["1"]["spec"]["nodeSelector"][NODEPOOL] == pools.pop()
 
 
 @pytest.mark.e2e
