@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from posttrain.api.validate import load_job
 from posttrain.render import RenderConfig, render
 from posttrain.yaml_out import dump_yaml
@@ -203,3 +204,18 @@ def test_image_defaults_and_override():
     job.spec.image = "example.com/mine:2"
     js = render(job, RenderConfig(trainer_image="example.com/t:1"))[-1]
     assert _pod(js["spec"]["replicatedJobs"][0])["containers"][0]["image"] == "example.com/mine:2"
+
+
+def test_scheduling_patch():
+    from posttrain.render.jobset import scheduling_patch
+
+    assert scheduling_patch({"suspend": False}, {"suspend": False, "queue": "q"}) == {}
+    assert scheduling_patch({"suspend": False}, {"suspend": True}) == {"spec": {"suspend": True}}
+    assert scheduling_patch({}, {"ttlSecondsAfterFinished": 60, "priorityClass": "high"}) == {
+        "spec": {"ttlSecondsAfterFinished": 60},
+        "metadata": {"labels": {"kueue.x-k8s.io/priority-class": "high"}},
+    }
+    # Removing a label or ttl sends null, which a merge patch deletes.
+    assert scheduling_patch({"priorityClass": "high"}, {}) == {
+        "metadata": {"labels": {"kueue.x-k8s.io/priority-class": None}}
+    }

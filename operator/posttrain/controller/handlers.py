@@ -6,13 +6,14 @@
 - A JobSet deleted out of band while the job is unfinished is created again (the trainer
   resumes from its last checkpoint); a finished job's JobSet is left gone.
 - spec.scheduling.suspend / priorityClass / ttlSecondsAfterFinished changes go to the
-  JobSet; other spec changes are refused by the CRD's transition rules.
+  JobSet (`scheduling_patch`); other spec changes are refused by the CRD's transition rules.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +25,10 @@ from posttrain.api.validate import validate
 from posttrain.controller import kube, metrics
 from posttrain.controller.phase import TERMINAL, changed, status_patch
 from posttrain.render import RenderConfig, render
-from posttrain.render.jobset import JOB_NAME_LABEL, KUEUE_PRIORITY_LABEL
+from posttrain.render.jobset import JOB_NAME_LABEL, scheduling_patch
 
 RESYNC_SECONDS = 30.0
+log = logging.getLogger("posttrain.operator")
 
 
 class State:
@@ -91,13 +93,15 @@ def reconcile(ptj: dict[str, Any], logger: Any) -> None:
         )
         kopf.warn(ptj, reason="InvalidSpec", message=message)
         return
-    for obj in render(job, State.render_config):
-        if kube.create_if_absent(meta["namespace"], obj) and obj["kind"] == "JobSet":
-            logger.info("created JobSet %s", obj["metadata"]["name"])
-            kopf.info(
-                ptj, reason="JobSetCreated", message=f"created JobSet {obj['metadata']['name']}"
-            )
-    _write_status(ptj, kube.get_jobset(meta["namespace"], meta["name"]))
+    *support, jobset = render(job, State.render_config)
+    kube.create_all(meta["namespace"], support)  # the JobSet's pods need these first
+    created = kube.create_if_absent(meta["namespace"], jobset)
+    if created is not None:
+        log.info("created JobSet %s/%s", meta["namespace"], jobset["metadata"]["name"])
+        kopf.info(
+            ptj, reason="JobSetCreated", message=f"created JobSet {jobset['metadata']['name']}"
+        )
+    _write_status(ptj, created or kube.get_jobset(meta["namespace"], meta["name"]))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -133,38 +137,21 @@ def on_jobset_event(event: dict[str, Any], body: kopf.Body, logger: Any, **_: An
     _write_status(ptj, dict(body))
 
 
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.scheduling.suspend")
-@instrumented("suspend")
-def on_suspend(old: Any, new: Any, body: kopf.Body, **_: Any) -> None:
-    if old is None:
-        return  # set at creation; the JobSet was rendered with it
-    meta = body["metadata"]
-    kube.patch_jobset(meta["namespace"], meta["name"], {"spec": {"suspend": bool(new)}})
-    kopf.info(
-        dict(body),
-        reason="Suspending" if new else "Resuming",
-        message="spec.scheduling.suspend changed",
-    )
-
-
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.scheduling.priorityClass")
-@instrumented("priority")
-def on_priority(old: Any, new: Any, body: kopf.Body, **_: Any) -> None:
-    if old is None and new is None:
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec.scheduling")
+@instrumented("scheduling")
+def on_scheduling_change(old: Any, new: Any, body: kopf.Body, **_: Any) -> None:
+    patch = scheduling_patch(old or {}, new or {})
+    if not patch:
         return
     meta = body["metadata"]
-    kube.patch_jobset(
-        meta["namespace"], meta["name"], {"metadata": {"labels": {KUEUE_PRIORITY_LABEL: new}}}
-    )
-
-
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.scheduling.ttlSecondsAfterFinished")
-@instrumented("ttl")
-def on_ttl(old: Any, new: Any, body: kopf.Body, **_: Any) -> None:
-    if old is None and new is None:
-        return
-    meta = body["metadata"]
-    kube.patch_jobset(meta["namespace"], meta["name"], {"spec": {"ttlSecondsAfterFinished": new}})
+    kube.patch_jobset(meta["namespace"], meta["name"], patch)
+    if (old or {}).get("suspend") != (new or {}).get("suspend"):
+        resumed = not (new or {}).get("suspend")
+        kopf.info(
+            dict(body),
+            reason="Resuming" if resumed else "Suspending",
+            message="spec.scheduling.suspend changed",
+        )
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -19,19 +22,28 @@ JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
 JOBSETS = "jobsets"
 
 
+@functools.cache
+def _api_client() -> client.ApiClient:
+    """One client (and connection pool) shared by every handler thread."""
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
+
+
+def _custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(_api_client())
+
+
 def _creator(kind: str) -> Callable[[str, dict[str, Any]], Any]:
-    core, rbac, custom = (
-        client.CoreV1Api(),
-        client.RbacAuthorizationV1Api(),
-        client.CustomObjectsApi(),
-    )
+    api = _api_client()
+    core, rbac, custom = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), _custom()
     return {
         "ServiceAccount": core.create_namespaced_service_account,
         "ConfigMap": core.create_namespaced_config_map,
         "Role": rbac.create_namespaced_role,
         "RoleBinding": rbac.create_namespaced_role_binding,
-        "JobSet": lambda ns, body: custom.create_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, body
+        "JobSet": lambda ns, body, **kw: custom.create_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, body, **kw
         ),
     }[kind]
 
@@ -41,14 +53,14 @@ def temporary(e: Exception) -> kopf.TemporaryError:
     return kopf.TemporaryError(f"Kubernetes API: {e}", delay=2)
 
 
-def create_if_absent(namespace: str, obj: dict[str, Any]) -> bool:
-    """Create obj; True if it was created, False if it already existed."""
+def create_if_absent(namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
+    """Create obj and return the stored object; None if it already existed."""
     try:
-        _creator(obj["kind"])(namespace, obj)
-        return True
+        response = _creator(obj["kind"])(namespace, obj, _preload_content=False)
+        return json.loads(response.data)
     except ApiException as e:
         if e.status == 409:
-            return False
+            return None
         if e.status and 400 <= e.status < 500:
             raise kopf.PermanentError(
                 f"{obj['kind']} {obj['metadata']['name']}: {e.reason}: {e.body}"
@@ -60,7 +72,7 @@ def create_if_absent(namespace: str, obj: dict[str, Any]) -> bool:
 
 def get_jobset(namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return client.CustomObjectsApi().get_namespaced_custom_object(
+        return _custom().get_namespaced_custom_object(
             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name
         )
     except ApiException as e:
@@ -73,7 +85,7 @@ def get_jobset(namespace: str, name: str) -> dict[str, Any] | None:
 
 def patch_jobset(namespace: str, name: str, patch: dict[str, Any]) -> None:
     try:
-        client.CustomObjectsApi().patch_namespaced_custom_object(
+        _custom().patch_namespaced_custom_object(
             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name, patch
         )
     except ApiException as e:
@@ -86,9 +98,7 @@ def patch_jobset(namespace: str, name: str, patch: dict[str, Any]) -> None:
 
 def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return client.CustomObjectsApi().get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name
-        )
+        return _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except ApiException as e:
         if e.status == 404:
             return None
@@ -99,7 +109,7 @@ def get_job(namespace: str, name: str) -> dict[str, Any] | None:
 
 def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     try:
-        client.CustomObjectsApi().patch_namespaced_custom_object_status(
+        _custom().patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}
         )
     except ApiException as e:
@@ -108,3 +118,11 @@ def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> None:
         raise temporary(e) from e
     except urllib3.exceptions.HTTPError as e:
         raise temporary(e) from e
+
+
+_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="create")
+
+
+def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """create_if_absent for several independent objects at once (one round trip deep)."""
+    return list(_pool.map(lambda obj: create_if_absent(namespace, obj), objects))

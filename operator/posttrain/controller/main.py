@@ -8,10 +8,13 @@ POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -51,6 +54,8 @@ def _configure_logging() -> None:
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("POSTTRAIN_LOG_LEVEL", "INFO"))
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if root.level > logging.DEBUG:  # kopf reports every handler call at INFO
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
@@ -90,6 +95,7 @@ def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
 
 
 def operator_command(args: argparse.Namespace) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps stacks
     _configure_logging()
     _load_kube_config()
     handlers.State.render_config = _render_config()
@@ -105,20 +111,27 @@ def operator_command(args: argparse.Namespace) -> int:
                 args.webhook_ca or args.webhook_cert,
             )
 
-    stop = threading.Event()
+    halt = threading.Event()  # stops the Lease loops
     elector = LeaseElector(args.lease_namespace, LEASE_NAME, args.identity)
     log.info("waiting for lease %s/%s as %s", args.lease_namespace, LEASE_NAME, args.identity)
-    if not elector.wait_until_leader(stop, metrics.Heartbeat.beat):
+    if not elector.wait_until_leader(halt, metrics.Heartbeat.beat):
         return 0
     metrics.LEADER.set(1)
-    lost = threading.Event()
+    lost: concurrent.futures.Future[str] = concurrent.futures.Future()
 
     def on_lost() -> None:
-        lost.set()
-        stop.set()
+        if not lost.done():
+            lost.set_result("lost the leader Lease")
+
+    @kopf.on.cleanup()
+    def release_stop_flag(**_: object) -> None:
+        # kopf waits for this flag in a worker thread; resolve it on any shutdown (e.g.
+        # SIGTERM) so that thread ends and the process exits at once.
+        if not lost.done():
+            lost.set_result("")
 
     threading.Thread(
-        target=elector.hold, args=(stop, on_lost, metrics.Heartbeat.beat), daemon=True
+        target=elector.hold, args=(halt, on_lost, metrics.Heartbeat.beat), daemon=True
     ).start()
     try:
         kopf.run(
@@ -126,11 +139,12 @@ def operator_command(args: argparse.Namespace) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace or (),
             settings=_settings(args),
-            stop_flag=stop,
+            stop_flag=lost,
         )
     finally:
-        stop.set()
+        halt.set()
         metrics.LEADER.set(0)
-        if not lost.is_set():
+        reason = lost.result() if lost.done() else ""
+        if not reason:
             elector.release()
-    return 1 if lost.is_set() else 0
+    return 1 if reason else 0

@@ -378,3 +378,16 @@ def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig)
         "metadata": meta,
         "spec": jobset_spec,
     }
+
+
+def scheduling_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JobSet merge patch for a change of the mutable spec.scheduling fields (wire
+    names); empty when nothing the JobSet carries changed."""
+    patch: dict[str, Any] = {}
+    if bool(old.get("suspend")) != bool(new.get("suspend")):
+        patch.setdefault("spec", {})["suspend"] = bool(new.get("suspend"))
+    if old.get("ttlSecondsAfterFinished") != new.get("ttlSecondsAfterFinished"):
+        patch.setdefault("spec", {})["ttlSecondsAfterFinished"] = new.get("ttlSecondsAfterFinished")
+    if old.get("priorityClass") != new.get("priorityClass"):
+        patch["metadata"] = {"labels": {KUEUE_PRIORITY_LABEL: new.get("priorityClass")}}
+    return patch
