@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -222,83 +223,20 @@ def test_legacy_rope_fields_are_read():
     assert models.build_config("llama3", legacy)[1]["rope_inv_freq"] == new
 
 
+def test_mesh_axes_that_do_not_divide_a_dimension_are_dropped():
+    mesh = types.SimpleNamespace(shape={"fsdp": 2, "tp": 4})
+    assert models._fit_spec(("fsdp", "tp", None), (64, 2, 16), mesh) == ("fsdp", None, None)
+    assert models._fit_spec(("tp", "fsdp"), (128, 64), mesh) == ("tp", "fsdp")
+    assert models._fit_spec((("fsdp", "tp"),), (8,), mesh) == (("fsdp", "tp"),)
+    assert models._fit_spec((("fsdp", "tp"),), (4,), mesh) == (None,)
+    assert models._fit_spec(("sp",), (8,), mesh) == (None,)
+
+
 def test_make_mesh():
     mesh = models.make_mesh()
     assert mesh.axis_names == ("fsdp", "tp")
     with pytest.raises(ValueError, match="needs 6 devices"):
         models.make_mesh(3, 2)
-
-
-_SHARDED = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    import jax
-    from posttrain.trainer import models
-
-    fixtures = sys.argv[1]
-    out = {}
-    assert len(jax.devices()) == 4, jax.devices()
-    # (1, 4): tp=4 does not divide the 2 kv heads; those dims are replicated instead
-    for fsdp, tp, families in ((2, 2, ("llama3", "qwen2", "gemma3")), (1, 4, ("llama3",))):
-        mesh = models.make_mesh(fsdp, tp)
-        for family in families:
-            model, info = models.load_model(f"{fixtures}/{family}", mesh=mesh)
-            data = np.load(f"{fixtures}/{family}/golden.npz")
-            with jax.set_mesh(mesh):
-                logits = np.asarray(models.forward(model, data["input_ids"]))
-            emb = model.embedder.input_embedding.get_value()
-            out[f"{family}-{fsdp}x{tp}"] = {
-                "diff": float(np.abs(logits - data["logits"]).max()),
-                "spec": [str(a) for a in emb.sharding.spec],
-                "shard": list(emb.addressable_shards[0].data.shape),
-                "global": list(emb.shape),
-                "devices": len(emb.sharding.device_set),
-            }
-    # LoRA on the mesh, restored from the committed PEFT adapter
-    mesh = models.make_mesh(2, 2)
-    model, info = models.load_model(f"{fixtures}/gemma3", mesh=mesh)
-    lora = models.apply_lora(model, 4, 8.0, mesh=mesh)
-    models.load_peft_adapter(lora, f"{fixtures}/gemma3/peft_adapter")
-    data = np.load(f"{fixtures}/gemma3/peft_golden.npz")
-    with jax.set_mesh(mesh):
-        logits = np.asarray(models.forward(lora, data["input_ids"]))
-    b = lora.layers[0].mlp.gate_proj.kernel_lora_b.get_value()
-    out["lora"] = {
-        "diff": float(np.abs(logits - data["logits"]).max()),
-        "shard": list(b.addressable_shards[0].data.shape),
-        "global": list(b.shape),
-    }
-    print("RESULT" + json.dumps(out))
-    """
-)
-
-
-def test_sharded_load_on_four_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED, str(FIXTURES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    result = json.loads(line[len("RESULT") :])
-    for name, r in result.items():
-        assert r["diff"] < TOL, (name, r)
-        if name == "lora":
-            assert r["shard"] != r["global"]  # the adapter is sharded too
-            continue
-        assert r["devices"] == 4
-        # embedding [vocab, hidden] is sharded on ('tp', 'fsdp'): each device holds a block
-        fsdp, tp = (int(x) for x in name.split("-")[1].split("x"))
-        assert r["shard"] == [r["global"][0] // tp, r["global"][1] // fsdp], (name, r)
 
 
 def test_gemma3_multimodal_layout(loaded, tmp_path):
@@ -328,3 +266,120 @@ def test_gemma3_multimodal_layout(loaded, tmp_path):
     out = models.save_hf(model, tmp_path / "text", info)
     assert set(load_file(out / "model.safetensors")) == set(load_file(src / "model.safetensors"))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
+_TWO_PROCESSES = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    port, pid, fixtures, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    from jax.experimental import multihost_utils
+    from posttrain.trainer import models
+
+    assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    result = {}
+
+    def logits_diff(model, mesh, golden):
+        data = np.load(golden)
+        with jax.set_mesh(mesh):
+            logits = models.forward(model, data["input_ids"])
+        logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
+        return float(np.abs(logits - data["logits"]).max())
+
+    reads = []
+    original_read = models.ParamMap.read
+    def recording_read(self, get, index):
+        block = original_read(self, get, index)
+        reads.append((self.path, block.size))
+        return block
+
+    mesh = models.make_mesh(2, 2)
+    models.ParamMap.read = recording_read
+    model, info = models.load_model(f"{fixtures}/qwen2", mesh=mesh)
+    models.ParamMap.read = original_read
+    emb = model.embedder.input_embedding.get_value()
+    result["qwen2"] = {
+        "diff": logits_diff(model, mesh, f"{fixtures}/qwen2/golden.npz"),
+        "fully_addressable": emb.is_fully_addressable,
+        "emb_shard": list(emb.addressable_shards[0].data.shape),
+        "emb_shape": list(emb.shape),
+        "emb_reads": [n for path, n in reads if path == ("embedder", "input_embedding")],
+        "read": sum(n for _, n in reads),
+        "total": sum(int(np.prod(m.shape)) for m in models.param_maps(info)),
+    }
+    models.save_hf(model, f"{out}/hf-{pid}", info)  # every process gathers, process 0 writes
+
+    # LoRA on the mesh, restored from the committed PEFT adapter
+    lora = models.apply_lora(model, 4, 8.0, mesh=mesh)
+    models.load_peft_adapter(lora, f"{fixtures}/qwen2/peft_adapter")
+    b = lora.layers[0].mlp.gate_proj.kernel_lora_b.get_value()
+    result["lora"] = {
+        "diff": logits_diff(lora, mesh, f"{fixtures}/qwen2/peft_golden.npz"),
+        "b_shard": list(b.addressable_shards[0].data.shape),
+        "b_shape": list(b.shape),
+    }
+    print("RESULT" + json.dumps(result))
+    """
+)
+
+
+def test_two_processes_four_devices(tmp_path):
+    """jax.distributed with 2 CPU processes x 2 fake devices (a 4-device mesh): the logits
+    match transformers, params and adapters are sharded, each process's callbacks read only
+    the blocks of its own devices, and save_hf gathers across processes.
+
+    Runs in subprocesses: XLA_FLAGS must be set before jax is imported."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-c", _TWO_PROCESSES, str(port)]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(pid), str(FIXTURES), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for pid in (0, 1)
+    ]
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        finally:
+            for other in procs:
+                if other.poll() is None and proc.returncode not in (None, 0):
+                    other.kill()
+        assert proc.returncode == 0, stderr[-4000:]
+        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT"))
+        results.append(json.loads(line[len("RESULT") :]))
+    for result in results:
+        for name, r in result.items():
+            assert r["diff"] < TOL, (name, r)
+            if name == "lora":
+                assert r["b_shard"] != r["b_shape"]  # the adapter is sharded too
+                continue
+            assert not r["fully_addressable"]
+            # the embedding [vocab, hidden] is sharded ('tp', 'fsdp'): a block per device,
+            # and a process reads just the blocks of its 2 devices
+            v, d = r["emb_shape"]
+            assert r["emb_shard"] == [v // 2, d // 2], (name, r)
+            assert r["emb_reads"] == [v * d // 4] * 2, (name, r)
+            assert r["read"] < r["total"], (name, r)
+    from safetensors.numpy import load_file
+
+    saved = load_file(tmp_path / "hf-0" / "model.safetensors")
+    original = load_file(FIXTURES / "qwen2" / "model.safetensors")
+    assert set(saved) == set(original)
+    for name in original:
+        np.testing.assert_array_equal(saved[name], original[name], err_msg=name)
+    assert not (tmp_path / "hf-1").exists()
