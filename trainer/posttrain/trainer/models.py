@@ -623,7 +623,9 @@ def param_maps(info: ModelInfo) -> list[ParamMap]:
     norm = ("final_norm", "scale") if gemma else ("final_norm", "w")
     maps.append(ParamMap(norm, (f"{p}norm.weight",), ((d,),), (0,)))
     if not info.tie_word_embeddings:
-        head = "lm_head.weight" if p == "model." else p.replace("model.", "", 1) + "lm_head.weight"
+        head = (
+            "language_model.lm_head.weight" if p.startswith("language_model.") else "lm_head.weight"
+        )
         maps.append(ParamMap(("lm_head", "w"), (head,), ((v,), (d,)), (1, 0)))
     return maps
 
@@ -637,7 +639,14 @@ class _SafetensorsDir:
     """Tensor name -> lazy slice over all ``*.safetensors`` files of a directory."""
 
     def __init__(self, model_dir: Path):
-        files = sorted(model_dir.glob("*.safetensors"))
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / f for f in weight_map.values()})
+        else:
+            files = sorted(
+                f for f in model_dir.glob("*.safetensors") if f.name != "adapter_model.safetensors"
+            )
         if not files:
             raise FileNotFoundError(f"spec.model.source: no *.safetensors files in {model_dir}")
         self._handles = [safe_open(str(f), framework="numpy") for f in files]
