@@ -390,7 +390,9 @@ class CA:
     key_pem: bytes
 
     @classmethod
-    def create(cls, common_name: str = "posttrain-control-plane-ca") -> CA:
+    def create(
+        cls, common_name: str = "posttrain-control-plane-ca", dns_names: Sequence[str] = ()
+    ) -> CA:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -408,7 +410,13 @@ class CA:
             .not_valid_before(now - _dt.timedelta(hours=1))
             .not_valid_after(now + _dt.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
+        )
+        if dns_names:
+            cert = cert.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False
+            )
+        cert = (
+            cert.add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
                     content_commitment=False,
@@ -898,6 +906,7 @@ def register_url_webhooks(
     name_prefix: str,
     keep: Callable[[dict[str, Any]], bool] = lambda _w: True,
     namespace_selector: dict[str, Any] | None = None,
+    failure_policy: str | None = None,
     apply: bool = True,
 ) -> list[dict[str, Any]]:
     """Point (Mutating|Validating)WebhookConfigurations at a webhook server on loopback.
@@ -931,6 +940,8 @@ def register_url_webhooks(
             }
             if namespace_selector is not None:
                 wh["namespaceSelector"] = namespace_selector
+            if failure_policy is not None:
+                wh["failurePolicy"] = failure_policy
             hooks.append(wh)
         obj["webhooks"] = hooks
         if hooks:
@@ -1105,6 +1116,10 @@ def _kwok_stages() -> list[dict[str, Any]]:
                     d["durationMilliseconds"] = delay
                     d["jitterDurationMilliseconds"] = jitter
                 stages.append(doc)
+    # posttrain's own stages: fail or slow down trainer pods by image tag (e2e tier).
+    own = BUILD_MODULES / "kwok-stages.yaml"
+    if own.is_file():
+        stages += [d for d in yaml.safe_load_all(own.read_text()) if d]
     return stages
 
 
@@ -1301,22 +1316,95 @@ KUEUE_FRAMEWORKS = ("batch/job", "jobset.x-k8s.io/jobset")
 KUEUE_WEBHOOK_GROUPS = {"kueue.x-k8s.io", "batch", "jobset.x-k8s.io"}
 
 
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"  # Kueue's defaults; its cert rotator
+KUEUE_WEBHOOK_SECRET = "kueue-webhook-server-cert"  # derives names from them
+
+
+def _kueue_certs(certs: Path) -> bytes:
+    """Kueue's webhook cert, pre-seeded where its internal cert rotator looks for it.
+
+    Kueue v0.19 insists on either internal cert management or metrics certs under the
+    hard-coded /etc/kueue/metrics/certs. We keep internal cert management on and hand
+    the rotator a Secret it accepts as valid (a CA with SAN `kueue-ca`; a serving cert
+    for `kueue-webhook-service.kueue-system.svc`), so it neither rotates nor rewrites
+    anything. The serving cert also carries 127.0.0.1, which is what the API server
+    dials through `clientConfig.url`. The rotator only injects this same CA.
+    """
+    import base64
+
+    ca = CA.create("kueue-ca", dns_names=["kueue-ca"])
+    svc = f"{KUEUE_WEBHOOK_SERVICE}.{KUEUE_NAMESPACE}.svc"
+    cert, key = ca.issue(svc, hosts=[svc, "127.0.0.1", "localhost"], server=True)
+    certs.mkdir(parents=True, exist_ok=True)
+    (certs / "tls.crt").write_bytes(cert)
+    _write_private(certs / "tls.key", key)
+    (certs / "ca.crt").write_bytes(ca.cert_pem)
+    data = {"ca.crt": ca.cert_pem, "ca.key": ca.key_pem, "tls.crt": cert, "tls.key": key}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": KUEUE_WEBHOOK_SECRET, "namespace": KUEUE_NAMESPACE},
+        "type": "kubernetes.io/tls",
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
+    apply_objects(
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NAMESPACE}}, secret]
+    )
+    return ca.cert_pem
+
+
 def _start_kueue(state: State) -> None:
     import yaml
 
     webhook, health = state.port("kueue-webhook"), state.port("kueue-health")
-    kubectl("create", "namespace", "kueue-system", check=False)
     certs = RUN_DIR / "kueue-certs"
-    ca = serving_cert(certs)
+    ca = _kueue_certs(certs)
+    url_base = f"https://127.0.0.1:{webhook}"
+    # Webhook configurations and CRD conversion first: the rotator injects its CA
+    # into them (the same CA) before Kueue reports ready.
+    docs = list(
+        yaml.safe_load_all(
+            (
+                module_dir("sigs.k8s.io/kueue", KUEUE_VERSION)
+                / "config/components/webhook/manifests.yaml"
+            ).read_text()
+        )
+    )
+    register_url_webhooks(
+        docs,
+        url_base=url_base,
+        ca_bundle=ca,
+        name_prefix="kueue-",
+        keep=lambda wh: all(
+            set(r.get("apiGroups", [])) <= KUEUE_WEBHOOK_GROUPS for r in wh.get("rules", [])
+        ),
+        namespace_selector={
+            "matchExpressions": [
+                {
+                    "key": "kubernetes.io/metadata.name",
+                    "operator": "NotIn",
+                    "values": ["kube-system", KUEUE_NAMESPACE],
+                }
+            ]
+        },
+        # Until Kueue serves, do not block Jobs/JobSets cluster-wide.
+        failure_policy="Ignore",
+    )
+    _kueue_conversion(f"{url_base}/convert", ca)
     cfg = RUN_DIR / "kueue.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "config.kueue.x-k8s.io/v1beta2",
                 "kind": "Configuration",
-                "namespace": "kueue-system",
+                "namespace": KUEUE_NAMESPACE,
                 "leaderElection": {"leaderElect": False},
-                "internalCertManagement": {"enable": False},
+                "internalCertManagement": {
+                    "enable": True,
+                    "webhookServiceName": KUEUE_WEBHOOK_SERVICE,
+                    "webhookSecretName": KUEUE_WEBHOOK_SECRET,
+                },
                 "webhook": {"port": webhook, "host": "127.0.0.1", "certDir": str(certs)},
                 "metrics": {"bindAddress": "0"},
                 "health": {"healthProbeBindAddress": f"127.0.0.1:{health}"},
@@ -1335,18 +1423,11 @@ def _start_kueue(state: State) -> None:
         ],
         env={"KUBECONFIG": str(KUBECONFIG)},
     )
-    _wait("kueue", lambda: _http_ok(f"http://127.0.0.1:{health}/readyz"), 90)
-    docs = list(
-        yaml.safe_load_all(
-            (
-                module_dir("sigs.k8s.io/kueue", KUEUE_VERSION)
-                / "config/components/webhook/manifests.yaml"
-            ).read_text()
-        )
-    )
+    _wait("kueue", lambda: _http_ok(f"http://127.0.0.1:{health}/readyz"), 120)
+    # Serving now: make its webhooks as strict as Kueue ships them.
     register_url_webhooks(
         docs,
-        url_base=f"https://127.0.0.1:{webhook}",
+        url_base=url_base,
         ca_bundle=ca,
         name_prefix="kueue-",
         keep=lambda wh: all(
@@ -1357,12 +1438,11 @@ def _start_kueue(state: State) -> None:
                 {
                     "key": "kubernetes.io/metadata.name",
                     "operator": "NotIn",
-                    "values": ["kube-system", "kueue-system"],
+                    "values": ["kube-system", KUEUE_NAMESPACE],
                 }
             ]
         },
     )
-    _kueue_conversion(f"https://127.0.0.1:{webhook}/convert", ca)
 
 
 def _kueue_conversion_crds() -> list[str]:

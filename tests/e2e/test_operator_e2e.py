@@ -1,0 +1,146 @@
+"""The operator on the full local cluster: real JobSet controller (with its webhooks),
+kube-controller-manager, kube-scheduler and kwok fake TPU hosts.
+
+kwok ends a trainer pod according to its image tag (scripts/control-plane/kwok-stages.yaml):
+`slow` completes after a few seconds, `exit-1` crashes, `exit-65` is a user error.
+"""
+
+from __future__ import annotations
+
+import pytest
+from invalid_jobs import valid_job
+from operator_process import OperatorProcess
+
+from tests.cluster import Cluster, wait_for
+
+pytestmark = pytest.mark.e2e
+GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"
+
+
+@pytest.fixture
+def operator(cluster: Cluster, namespace: str, tmp_path):
+    op = OperatorProcess(cluster.kubeconfig, tmp_path, namespace, "-n", namespace).start()
+    yield op
+    op.stop()
+
+
+def tpu_job(cluster: Cluster, namespace: str, name: str, image: str, **scheduling) -> dict:
+    doc = valid_job(name)
+    doc["spec"]["image"] = image
+    doc["spec"]["resources"] = {"accelerator": "v6e-8"}  # 2 hosts of 4 chips, topology 2x4
+    doc["spec"]["scheduling"] = {"maxRestarts": 2, **scheduling}
+    return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+
+
+def status(cluster: Cluster, namespace: str, name: str) -> dict:
+    return (
+        cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name).get(
+            "status"
+        )
+        or {}
+    )
+
+
+def reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
+    items = cluster.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    ).items
+    return [e.reason for e in sorted(items, key=lambda e: e.metadata.creation_timestamp)]
+
+
+def pods(cluster: Cluster, namespace: str) -> list:
+    return cluster.core.list_namespaced_pod(namespace).items
+
+
+def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace: str, operator):
+    tpu_job(cluster, namespace, "happy", "posttrain-trainer:slow")
+    wait_for(
+        lambda: status(cluster, namespace, "happy").get("phase") == "Running",
+        timeout=90,
+        describe=lambda: cluster.describe(namespace),
+    )
+    placed = {p.spec.node_name for p in pods(cluster, namespace)}
+    assert len(placed) == 2 and all(n.startswith("tpu-v6e-2x4-") for n in placed)
+    assert len({n.rsplit("-", 1)[0] for n in placed}) == 1  # one slice's node pool
+    cluster.kubectl(
+        "wait", "--for=condition=Succeeded", "ptj/happy", "-n", namespace, "--timeout=120s"
+    )
+    st = status(cluster, namespace, "happy")
+    assert st["phase"] == "Succeeded" and st["restarts"] == 0 and st["completionTime"]
+    assert [
+        r for r in reasons(cluster, namespace, "happy") if r in ("Pending", "Running", "Succeeded")
+    ] == ["Pending", "Running", "Succeeded"]
+    cluster.kubectl("delete", "ptj", "happy", "-n", namespace)
+
+    def gone() -> bool:
+        js = cluster.kubectl(
+            "get",
+            "jobsets,configmaps,serviceaccounts,roles,rolebindings",
+            "-n",
+            namespace,
+            "-l",
+            "posttrain.dev/job-name=happy",
+            "-o",
+            "name",
+        ).stdout
+        return js.strip() == ""
+
+    wait_for(gone, timeout=90, what="garbage collection of the job's objects")
+
+
+def test_crashing_job_restarts_then_fails(cluster: Cluster, namespace: str, operator):
+    tpu_job(cluster, namespace, "crashy", "posttrain-trainer:exit-1")
+    cluster.kubectl(
+        "wait", "--for=condition=Failed", "ptj/crashy", "-n", namespace, "--timeout=240s"
+    )
+    st = status(cluster, namespace, "crashy")
+    assert st["restarts"] == 2
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert failed["status"] == "True" and failed["reason"] and failed["message"]
+    assert "Restarting" in reasons(cluster, namespace, "crashy") or st["restarts"] == 2
+
+
+def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, operator):
+    tpu_job(cluster, namespace, "baddata", "posttrain-trainer:exit-65")
+    cluster.kubectl(
+        "wait", "--for=condition=Failed", "ptj/baddata", "-n", namespace, "--timeout=120s"
+    )
+    st = status(cluster, namespace, "baddata")
+    assert st["restarts"] == 0
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert "UserError" in failed["message"] or failed["reason"] == "FailedJobs", failed
+
+
+def test_suspend_and_resume(cluster: Cluster, namespace: str, operator):
+    tpu_job(cluster, namespace, "pause", "posttrain-trainer:slow")
+    wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Running", timeout=90)
+    cluster.kubectl(
+        "patch",
+        "ptj",
+        "pause",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"scheduling":{"suspend":true}}}',
+    )
+    wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Suspended", timeout=60)
+    wait_for(
+        lambda: not [p for p in pods(cluster, namespace) if not p.metadata.deletion_timestamp],
+        timeout=60,
+        what="pods removed while suspended",
+    )
+    cluster.kubectl(
+        "patch",
+        "ptj",
+        "pause",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"scheduling":{"suspend":false}}}',
+    )
+    cluster.kubectl(
+        "wait", "--for=condition=Succeeded", "ptj/pause", "-n", namespace, "--timeout=120s"
+    )
+    assert {"Suspending", "Resuming"} <= set(reasons(cluster, namespace, "pause"))
