@@ -276,8 +276,8 @@ def make_train_step(
                 ref_per_token_logps=ref,
                 old_per_token_logps=None,
             )
-            (l, aux), g = grad_fn(model, example)
-            loss, kl = loss + l, kl + aux["kl"]
+            (micro_loss, aux), g = grad_fn(model, example)
+            loss, kl = loss + micro_loss, kl + aux["kl"]
             clip, entropy = clip + aux["pg_clipfrac"], entropy + aux["entropy"]
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         scale = 1.0 / accumulation
@@ -311,6 +311,8 @@ class GrpoRun:
         policy: loop.Policy,
         tokenizer: data.Tokenizer,
         mesh: jax.sharding.Mesh,
+        *,
+        host_local: bool | None = None,
     ):
         from tunix.rl import function_registry
         from tunix.rl import rl_cluster as rlc
@@ -358,8 +360,10 @@ class GrpoRun:
             head_dim=cfg.head_dim,
         )
         # One process: the sampler shares the policy's weights. Several: each host samples
-        # on a host-local replica (see HostLocalRollout).
-        self.host_local = process.multi_process or jax.process_count() > 1
+        # on a host-local replica (see HostLocalRollout). host_local forces either (tests).
+        if host_local is None:
+            host_local = process.multi_process or jax.process_count() > 1
+        self.host_local = host_local
         rollout_mesh = mesh
         engine: Any = str(g.rollout_engine)
         if engine == "vllm":
@@ -408,9 +412,11 @@ class GrpoRun:
         self.advantages = function_registry.get_advantage_estimator(
             self.algo_config.advantage_estimator
         )
-        self.shares_weights = self.cluster.rollout.model() is policy.model or (
-            engine == "vanilla" and not self.host_local
-        )
+        # The vanilla sampler holds the policy's own nnx Variables: updates reach it.
+        self.shares_weights = engine == "vanilla"
+        # RLCluster keeps a host copy of the whole policy for Tunix's off-policy
+        # correction, which this loop does not use (num_iterations 1): free it.
+        self.cluster._anchor_policy_state = None
         self.opt = self.cluster.actor_trainer.optimizer
         self.train_step = make_train_step(
             policy.wrt,
@@ -441,7 +447,9 @@ class GrpoRun:
         # Seeded by (seed, step, host): a resumed run samples what the first run sampled.
         key = jax.random.PRNGKey(self.spec.training.seed)
         key = jax.random.fold_in(jax.random.fold_in(key, index), self.process.process_id)
-        self.rollout_config.seed = key
+        # As host data: under the global mesh a device key would carry that mesh into the
+        # host-local sampler.
+        self.rollout_config.seed = np.asarray(key)
         start = time.monotonic()
         out = self.cluster.generate(prompts)
         self.rollout_seconds += time.monotonic() - start
@@ -450,7 +458,11 @@ class GrpoRun:
         )
         self.rollout_tokens += int(completion_mask.sum())
         info = self.learner.reward_manager(
-            prompts=prompts, completions=out.text, answer=answers, mode="train"
+            prompts=prompts,
+            completions=out.text,
+            answer=answers,
+            completion_tokens=[len(t) for t in out.tokens],
+            mode="train",
         )
         parts = np.stack(
             [

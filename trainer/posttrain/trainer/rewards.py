@@ -10,7 +10,7 @@ the weighted sum of all rewards.
 - regexFormat: 1 when ``re.search(pattern, completion)`` finds a match (``.`` matches
   newlines), else 0.
 - lengthPenalty: ``-(tokens - targetLength) / targetLength`` when the completion has more
-  than targetLength tokens, else 0.
+  than targetLength tokens, else 0 (tokens: the sampled completion's, EOS excluded).
 - python: ``module:callable`` imported from the trainer's Python path.
 
 Nothing here imports JAX.
@@ -29,7 +29,7 @@ from posttrain.api.spec import GrpoSpec, RewardSpec
 RewardFn = Callable[..., list[float]]
 
 # Arguments Tunix passes to reward functions that are not dataset columns.
-_NOT_COLUMNS = frozenset({"mode", "trajectory_ids", "row_index"})
+_NOT_COLUMNS = frozenset({"mode", "trajectory_ids", "row_index", "completion_tokens"})
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
@@ -131,7 +131,10 @@ def build_reward(
         count = count_tokens or (lambda text: len(text.split()))
 
         def reward(prompts, completions, **kwargs):
-            return [weight * r for r in length_penalty([count(c) for c in completions], target)]
+            lengths = kwargs.get("completion_tokens")  # the sampled token counts, when known
+            if lengths is None:
+                lengths = [count(c) for c in completions]
+            return [weight * r for r in length_penalty(lengths, target)]
 
     elif kind == "python":
         if not spec.function:

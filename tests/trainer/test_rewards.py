@@ -1,0 +1,127 @@
+"""GRPO rewards (posttrain.trainer.rewards): the built-ins, users' functions by import
+path, weights, and the errors a user can cause. Pure Python: no JAX."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.api.spec import GrpoSpec, RewardSpec
+from posttrain.trainer import rewards
+
+PROMPTS = ["What is 2 + 3?"] * 4
+
+
+def shout(prompts, completions, answer, **unused):
+    """A user reward (imported by path in the tests below): 1 for all-caps text."""
+    return [1.0 if c.isupper() else 0.0 for c in completions]
+
+
+def wrong_length(prompts, completions, **columns):
+    return [1.0]
+
+
+def fn(spec: dict, **kw):
+    return rewards.build_reward(RewardSpec.model_validate(spec), 0, **kw)
+
+
+def test_last_number():
+    assert rewards.last_number("2 + 3 is 5, so Answer: 5.") == "5"
+    assert rewards.last_number("Answer: -12") == "-12"
+    assert rewards.last_number("about 1,234.5 apples") == "1234.5"
+    assert rewards.last_number("no digits here") is None
+
+
+def test_exact_answer_compares_the_last_number():
+    r = fn({"type": "exactAnswer"})
+    got = r(
+        prompts=PROMPTS,
+        completions=["Answer: 5.", "5 or 6? 6", "five", "Answer: 5.0"],
+        answer=["5", "5", "5", "5"],
+        mode="train",
+        trajectory_ids=["a", "b", "c", "d"],
+    )
+    assert got == [1.0, 0.0, 0.0, 1.0]
+    assert r.__name__ == "exactAnswer_0"
+    # non-numeric answers compare as text
+    assert fn({"type": "exactAnswer"})(
+        prompts=PROMPTS[:1], completions=["it is 7"], answer=["seven"]
+    ) == [0.0]
+
+
+def test_regex_format_and_weights():
+    r = fn({"type": "regexFormat", "pattern": r"^Answer: -?\d+\.$", "weight": 0.5})
+    assert r(prompts=PROMPTS[:3], completions=["Answer: 5.", "answer: 5.", "Answer: 5.\nok"]) == [
+        0.5,
+        0.0,
+        0.0,
+    ]
+    # '.' matches newlines
+    multi = fn({"type": "regexFormat", "pattern": r"<think>.*</think>"})
+    assert multi(prompts=PROMPTS[:1], completions=["<think>a\nb</think> 5"]) == [1.0]
+
+
+def test_length_penalty_uses_sampled_token_counts():
+    r = fn({"type": "lengthPenalty", "targetLength": 4, "weight": 2.0})
+    got = r(prompts=PROMPTS[:3], completions=["x", "y", "z"], completion_tokens=[2, 4, 6])
+    assert got == [0.0, 0.0, pytest.approx(-1.0)]  # 2.0 * -(6 - 4) / 4
+    counted = fn({"type": "lengthPenalty", "targetLength": 2}, count_tokens=len)
+    assert counted(prompts=PROMPTS[:1], completions=["abcd"]) == [pytest.approx(-1.0)]
+
+
+def test_python_reward_gets_columns_only():
+    r = fn({"type": "python", "function": "test_rewards:shout", "weight": 3.0})
+    got = r(
+        prompts=PROMPTS[:2],
+        completions=["LOUD", "quiet"],
+        answer=["5", "5"],
+        mode="train",
+        trajectory_ids=["a", "b"],
+        completion_tokens=[1, 1],
+    )
+    assert got == [3.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "words"),
+    [
+        ({"type": "python", "function": "no_such_module_x:f"}, "rewards[0].function", "import"),
+        (
+            {"type": "python", "function": "test_rewards:missing"},
+            "rewards[0].function",
+            "no callable",
+        ),
+        (
+            {"type": "regexFormat", "pattern": "(unclosed"},
+            "rewards[0].pattern",
+            "regular expression",
+        ),
+        ({"type": "lengthPenalty"}, "rewards[0].targetLength", "targetLength"),
+    ],
+)
+def test_user_errors_name_the_field(spec, field, words):
+    with pytest.raises(ValueError) as e:
+        fn(spec)
+    assert f"spec.grpo.{field}" in str(e.value) and words in str(e.value)
+
+
+def test_python_reward_with_wrong_length_is_an_error():
+    r = fn({"type": "python", "function": "test_rewards:wrong_length"})
+    with pytest.raises(ValueError, match=r"spec.grpo.rewards\[0\].function.*1 rewards for 2"):
+        r(prompts=PROMPTS[:2], completions=["a", "b"])
+
+
+def test_build_rewards_sums_weighted():
+    grpo = GrpoSpec.model_validate(
+        {
+            "rewards": [
+                {"type": "exactAnswer"},
+                {"type": "regexFormat", "pattern": r"^Answer:", "weight": 0.5},
+            ]
+        }
+    )
+    fns = rewards.build_rewards(grpo)
+    assert [f.__name__ for f in fns] == ["exactAnswer_0", "regexFormat_1"]
+    totals = rewards.total_rewards(
+        fns, PROMPTS[:3], ["Answer: 5", "Answer: 4", "5"], answer=["5", "5", "5"]
+    )
+    assert totals == [1.5, 0.5, 1.0]
