@@ -374,14 +374,15 @@ def _pem_cert(cert: Any) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _pem_key(key: Any) -> bytes:
+def _pem_key(key: Any, pkcs1: bool = False) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
+    fmt = (
+        serialization.PrivateFormat.TraditionalOpenSSL
+        if pkcs1
+        else serialization.PrivateFormat.PKCS8
     )
+    return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
 
 
 @dataclass
@@ -391,14 +392,23 @@ class CA:
 
     @classmethod
     def create(
-        cls, common_name: str = "posttrain-control-plane-ca", dns_names: Sequence[str] = ()
+        cls,
+        common_name: str = "posttrain-control-plane-ca",
+        dns_names: Sequence[str] = (),
+        rsa_pkcs1: bool = False,
     ) -> CA:
+        """A self-signed CA (EC P-256; RSA-2048 with a PKCS#1 key if `rsa_pkcs1`)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import NameOID
 
-        key = ec.generate_private_key(ec.SECP256R1())
+        if rsa_pkcs1:
+            from cryptography.hazmat.primitives.asymmetric import rsa
+
+            key: Any = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        else:
+            key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         now = _dt.datetime.now(_dt.UTC)
         cert = (
@@ -435,7 +445,7 @@ class CA:
             )
             .sign(key, hashes.SHA256())
         )
-        return cls(_pem_cert(cert), _pem_key(key))
+        return cls(_pem_cert(cert), _pem_key(key, pkcs1=rsa_pkcs1))
 
     @classmethod
     def load(cls, directory: Path, name: str = "ca") -> CA:
@@ -1333,7 +1343,8 @@ def _kueue_certs(certs: Path) -> bytes:
     """
     import base64
 
-    ca = CA.create("kueue-ca", dns_names=["kueue-ca"])
+    # cert-controller parses the CA key as PKCS#1 RSA.
+    ca = CA.create("kueue-ca", dns_names=["kueue-ca"], rsa_pkcs1=True)
     svc = f"{KUEUE_WEBHOOK_SERVICE}.{KUEUE_NAMESPACE}.svc"
     cert, key = ca.issue(svc, hosts=[svc, "127.0.0.1", "localhost"], server=True)
     certs.mkdir(parents=True, exist_ok=True)
