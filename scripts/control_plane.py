@@ -203,8 +203,8 @@ def ensure_built(full: bool = False) -> None:
     if missing:
         raise ControlPlaneError(
             f"control-plane binaries missing or built for other versions: {', '.join(missing)}."
-            f" Run `python scripts/control_plane.py build` (first build takes ~30 min on"
-            f" 2 cores; it is cached afterwards). Binaries go to {BIN_DIR}."
+            f" Run `python scripts/control_plane.py build` (a cold build takes about an hour on"
+            f" 2 cores; later builds are no-ops). Binaries go to {BIN_DIR}."
         )
 
 
@@ -1664,7 +1664,11 @@ def leave_session() -> list[str]:
 def _print_status(st: dict[str, Any]) -> None:
     for name, c in st["components"].items():
         state = f"running pid {c['pid']}" if c["running"] else "stopped"
-        port = st["ports"].get(name) or st["ports"].get(f"{name}-webhook", "")
+        port = (
+            (st["ports"].get(name) or st["ports"].get(f"{name}-webhook", ""))
+            if c["running"]
+            else ""
+        )
         owner = f"(started by {c['owner']})" if c["running"] and c["owner"] else ""
         print(f"{name:<24} {state:<20} {port!s:<6} {owner}")
     print(f"apiserver ready: {st['apiserver_ready']}")

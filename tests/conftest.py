@@ -45,9 +45,11 @@ def _start(session: list[Cluster], full: bool) -> Cluster:
     try:
         cluster = start(full)
     except ControlPlaneError as e:
-        pytest.fail(str(e), pytrace=False)
-    session.append(cluster)
-    return cluster
+        error = str(e)
+    else:
+        session.append(cluster)
+        return cluster
+    pytest.fail(error, pytrace=False)  # outside `except`: no chained traceback noise
 
 
 @pytest.fixture(scope="session")
