@@ -923,7 +923,9 @@ def register_url_webhooks(
 
     `docs` are the configurations as a controller ships them (clientConfig.service with a
     path); each becomes `clientConfig.url: {url_base}{path}` with `caBundle`, renamed
-    `{name_prefix}{name}`. `keep(webhook)` filters webhooks. Returns the objects.
+    `{name_prefix}{name}`. `keep(webhook)` filters webhooks; `namespace_selector` and
+    `failure_policy` override those fields. Returns the objects (applied unless
+    apply=False). Remove them with `delete_webhooks(name_prefix)`.
     """
     import base64
 
@@ -961,7 +963,8 @@ def register_url_webhooks(
     return out
 
 
-def _delete_webhooks(name_prefix: str) -> None:
+def delete_webhooks(name_prefix: str) -> None:
+    """Delete the (Mutating|Validating)WebhookConfigurations named `{name_prefix}...`."""
     for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
         out = kubectl("get", kind, "-o", "name", check=False, timeout=20).stdout or ""
         names = [n for n in out.split() if n.split("/", 1)[-1].startswith(name_prefix)]
@@ -1104,10 +1107,12 @@ def _kwok_stages() -> list[dict[str, Any]]:
     """Stages from the pinned kwok module: node init + lease heartbeat, pod general lifecycle.
 
     The pod stages (`kustomize/stage/pod/general`) walk a pod Pending -> Running ->
-    Succeeded for Job-owned pods and honour per-pod annotations such as
-    `pod-complete.stage.kwok.x-k8s.io/delay: "30s"`. Their default delay (1s + up to 5s
-    jitter per stage) is shortened here to POSTTRAIN_KWOK_DELAY_MS (default 200) +
-    POSTTRAIN_KWOK_JITTER_MS (default 300); the annotations still override it.
+    Succeeded for Job-owned pods. Each waits a random time between `delay` and `jitter`
+    (shipped: 1 s and 6 s), shortened here to POSTTRAIN_KWOK_DELAY_MS (default 200) and
+    POSTTRAIN_KWOK_JITTER_MS (default 300). Per-pod annotations still override them
+    (set both `<stage>.stage.kwok.x-k8s.io/delay` and `.../jitter-delay`: kwok uses the
+    jitter whenever it is below the delay). scripts/control-plane/kwok-stages.yaml, if
+    present, adds the project's own stages.
     """
     import yaml
 
@@ -1590,7 +1595,7 @@ def _down_locked(components: Sequence[str] | None = None) -> list[str]:
     if not everything and apiserver_ready():
         for name, prefix in WEBHOOK_PREFIXES.items():
             if name in targets and _pid(name) is not None:
-                _delete_webhooks(prefix)
+                delete_webhooks(prefix)
         if "kueue" in targets and _pid("kueue") is not None:
             _kueue_conversion(None)
     for name in reversed(FULL):
