@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup control-plane lint format test demo crd clean
+.PHONY: setup system-deps tools lint format test demo crd clean
+FAKE_GCS_VERSION := v1.56.1
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +16,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-control-plane: setup
+# Debian packages the tests use: a Lua interpreter runs the Argo CD health check.
+system-deps:
+	@command -v lua5.4 >/dev/null || { apt-get update -qq && apt-get install -y -qq lua5.4; }
+
+# Go-built binaries, pinned and cached under .cache/ (a second run is a no-op): the local
+# control plane (etcd, kube-*, kwok, JobSet, Kueue, helm) and a GCS-compatible server.
+tools: setup
 	$(BIN)/python scripts/control_plane.py build
+	test -x .cache/bin/fake-gcs-server || GOBIN=$(CURDIR)/.cache/bin go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 
 lint: setup
 	$(BIN)/ruff check .
@@ -33,7 +41,7 @@ crd: setup
 	cp crds/posttrain.dev_posttrainjobs.yaml manifests/base/
 
 # Every tier: lint, unit, trainer, integration, e2e. Prints each phase's time.
-test: setup control-plane
+test: setup system-deps tools
 	bash scripts/test.sh
 
 # The quickstart: LoRA SFT of SmolLM2-135M-Instruct on CPU.

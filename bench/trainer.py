@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
-from posttrain.trainer import data, lora, loop, models, sft  # noqa: E402
+from posttrain.trainer import data, loop, lora, models, sft  # noqa: E402
 
 
 def batches(

@@ -2,8 +2,7 @@
 # Runs every test tier in order and prints how long each phase took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=.venv/bin
-export PATH="$PWD/$BIN:$PATH"
+export PATH="$PWD/.venv/bin:$PATH"
 
 phase() {
   local name=$1; shift

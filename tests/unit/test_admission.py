@@ -2,6 +2,7 @@
 
 import pytest
 from invalid_jobs import CASES, valid_job
+
 from posttrain import capacity, catalog
 from posttrain.api.spec import PostTrainJobSpec
 from posttrain.controller.admission import admission_errors

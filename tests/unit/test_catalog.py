@@ -1,6 +1,7 @@
 """The accelerator catalog: device names to hosts, chips, labels and Pathways types."""
 
 import pytest
+
 from posttrain import catalog
 
 TPU_TABLE = [

@@ -1,6 +1,7 @@
 """Phase and condition logic: a table of JobSet states and the phase each one means."""
 
 import pytest
+
 from posttrain.controller.phase import changed, conditions_for, phase_from, status_patch
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 from invalid_jobs import CASES, valid_job
+
 from posttrain.api.validate import FieldError, immutable_changes, validate
 
 
