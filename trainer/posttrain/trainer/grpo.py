@@ -61,7 +61,13 @@ class TunixTokenizer:
     Prompts come rendered by the chat template (which writes the special tokens), so no
     BOS is added; ``encode`` keeps a prompt's last ``max_prompt_length`` tokens
     (spec.grpo.maxPromptLength: left-truncated), so every rollout has the same shape.
+
+    Tunix tells padding from tokens by value (``ids != pad_id``), so a pad token that is
+    also the EOS (SmolLM2, many Llamas) would hide every end-of-turn token of a chat
+    prompt from attention. Then another special token pads (see ``PAD_FALLBACKS``).
     """
+
+    PAD_FALLBACKS = ("<|endoftext|>", "<unk>", "<pad>", "<|finetune_right_pad_id|>")
 
     def __init__(self, tokenizer: data.Tokenizer, max_prompt_length: int):
         self.tokenizer = tokenizer
@@ -71,9 +77,16 @@ class TunixTokenizer:
                 "spec.model.source: the tokenizer has no eos_token; GRPO needs one to end "
                 "completions (set eos_token in tokenizer_config.json)"
             )
+        self._eos = int(tokenizer.eos_id)
+        self._pad = int(tokenizer.pad_id)
+        if self._pad == self._eos:
+            ids = [tokenizer.token_to_id(t) for t in self.PAD_FALLBACKS]
+            ids = [i for i in ids if i is not None and i != self._eos]
+            self._pad = ids[0] if ids else (0 if self._eos != 0 else 1)
+            log.info("GRPO pads with token id %d (the pad token is the EOS)", self._pad)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
-        return self.tokenizer.encode(text)[-self.max_prompt_length :]
+        return self.tokenizer.encode(str(text))[-self.max_prompt_length :]
 
     def decode(self, ids: Any, **kwargs: Any) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -82,10 +95,10 @@ class TunixTokenizer:
         return None
 
     def eos_id(self) -> int:
-        return int(self.tokenizer.eos_id)
+        return self._eos
 
     def pad_id(self) -> int:
-        return int(self.tokenizer.pad_id)
+        return self._pad
 
 
 _TUNIX_CALL_CLASSES: dict[type, type] = {}
