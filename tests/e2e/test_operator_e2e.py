@@ -67,9 +67,10 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
     )
     st = status(cluster, namespace, "happy")
     assert st["phase"] == "Succeeded" and st["restarts"] == 0 and st["completionTime"]
-    assert [
+    seen = [
         r for r in reasons(cluster, namespace, "happy") if r in ("Pending", "Running", "Succeeded")
-    ] == ["Pending", "Running", "Succeeded"]
+    ]
+    assert seen == ["Pending", "Running", "Succeeded"], seen
     cluster.kubectl("delete", "ptj", "happy", "-n", namespace)
 
     def gone() -> bool:
@@ -108,7 +109,7 @@ def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, ope
     st = status(cluster, namespace, "baddata")
     assert st["restarts"] == 0
     failed = {c["type"]: c for c in st["conditions"]}["Failed"]
-    assert "UserError" in failed["message"] or failed["reason"] == "FailedJobs", failed
+    assert failed["reason"] == "InvalidInput" and "exited with code 65" in failed["message"], failed
 
 
 def test_suspend_and_resume(cluster: Cluster, namespace: str, operator):

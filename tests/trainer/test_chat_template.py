@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from posttrain.trainer.chat_template import (
     CHATML_TEMPLATE,
     ChatTemplate,
@@ -11,7 +12,6 @@ from posttrain.trainer.chat_template import (
     read_template_file,
     template_from_tokenizer_config,
 )
-
 from tests.trainer.data_helpers import CHATML_SMOL
 
 CONV = [

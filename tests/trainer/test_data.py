@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from posttrain.api.spec import DataColumns, PostTrainJobSpec
 from posttrain.trainer import data, storage
 from posttrain.trainer.data import (
@@ -24,7 +25,6 @@ from posttrain.trainer.data import (
     read_dataset,
     tokenize_sft,
 )
-
 from tests.trainer.data_helpers import (
     FAKE_GCS_BUILD,
     ROOT,

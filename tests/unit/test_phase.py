@@ -141,3 +141,21 @@ def test_changed():
     p = status_patch(jobset(active=1), SPEC, {}, "t1", 1)
     assert changed({}, p)
     assert not changed({**p, "progress": {"step": 1}}, p)
+
+
+def test_user_error_failure_is_explained():
+    js = jobset(
+        conditions=[
+            ("Failed", "FailJobSetFailurePolicyAction", "applying FailJobSet (first failed job: x)")
+        ]
+    )
+    obs = phase_from(js, False)
+    assert (obs.phase, obs.reason) == ("Failed", "InvalidInput")
+    assert "exited with code 65" in obs.message and "first failed job: x" in obs.message
+
+
+def test_started_job_does_not_fall_back_to_pending():
+    running = status_patch(jobset(active=1), SPEC, {}, "t1", 1)
+    between = status_patch(jobset(), SPEC, running, "t2", 1)  # pods done, Jobs not yet complete
+    assert between["phase"] == "Running"
+    assert status_patch(jobset(), SPEC, {}, "t1", 1)["phase"] == "Pending"

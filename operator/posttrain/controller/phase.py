@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.api.spec import Phase
+from posttrain.api.spec import USER_ERROR_EXIT_CODE, Phase
 from posttrain.render.jobset import KUEUE_QUEUE_LABEL
 
 TERMINAL = {Phase.succeeded, Phase.failed}
@@ -47,6 +47,16 @@ def phase_from(jobset: dict[str, Any] | None, user_suspended: bool) -> Observati
             Phase.succeeded, "Completed", c.get("message") or "training finished", restarts
         )
     if c := _condition(jobset, "Failed"):
+        if c.get("reason") == "FailJobSetFailurePolicyAction":
+            # Only the UserError rule fails the JobSet at once (see render.jobset).
+            return Observation(
+                Phase.failed,
+                "InvalidInput",
+                f"the trainer exited with code {USER_ERROR_EXIT_CODE}: an error in the job's "
+                "own input (data, model or config) that a restart cannot fix; its log names "
+                f"the field or file ({c.get('message', '')})",
+                restarts,
+            )
         return Observation(
             Phase.failed,
             c.get("reason") or "JobSetFailed",
@@ -139,6 +149,10 @@ def status_patch(
         # A finished job stays finished, even once ttlSecondsAfterFinished removed its JobSet.
         return {}
     obs = phase_from(jobset, user_suspended)
+    if obs.phase == Phase.pending and jobset is not None and previous.get("startTime"):
+        # Between pods finishing and their Jobs being marked complete nothing is active;
+        # a job that has run does not go back to Pending.
+        obs = Observation(Phase.running, "Running", "pods finishing", obs.restarts)
     patch: dict[str, Any] = {
         "phase": str(obs.phase),
         "message": obs.message,
