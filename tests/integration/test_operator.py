@@ -408,3 +408,27 @@ def test_admission_webhook(apiserver: Cluster, namespace: str, tmp_path):
     finally:
         op.stop()
         apiserver.kubectl("delete", "validatingwebhookconfiguration", "posttrain.dev", check=False)
+
+
+def test_operator_survives_api_server_restart(apiserver: Cluster, namespace: str, tmp_path):
+    from tests.cluster import control_plane
+
+    op = OperatorProcess(
+        apiserver.kubeconfig, tmp_path, namespace, "-n", namespace, identity="r"
+    ).start()
+    try:
+        create_job(apiserver, namespace, "before")
+        wait_for(lambda: phase(apiserver, namespace, "before") == "Pending", timeout=30)
+        control_plane._stop("kube-apiserver")
+        time.sleep(5)  # the operator's watches and Lease renewals fail meanwhile
+        control_plane._start_apiserver(control_plane.State.load())
+        wait_for(
+            lambda: create_job(apiserver, namespace, "after"), timeout=60, what="API server back"
+        )
+        wait_for(
+            lambda: phase(apiserver, namespace, "after") == "Pending", timeout=120, describe=op.logs
+        )
+        assert op.proc.poll() is None, "the operator restarted itself"
+        assert len(jobsets(apiserver, namespace)) == 2
+    finally:
+        op.stop()
