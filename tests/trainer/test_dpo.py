@@ -131,9 +131,13 @@ def test_lora_dpo_raises_accuracy_and_margin_and_resumes_exactly(model_dir, pair
         assert np.array_equal(first[key], resumed[key]), key
 
 
-def test_full_dpo_uses_a_frozen_reference_and_exports_merged(model_dir, pairs, tmp_path):
+def test_full_dpo_with_accumulation_uses_a_frozen_reference_and_exports_merged(
+    model_dir, pairs, tmp_path
+):
     out = tmp_path / "out"
-    result = run(job_doc(model_dir, out, pairs, steps=4, lora=False, every=4))
+    doc = job_doc(model_dir, out, pairs, steps=4, lora=False, every=4)
+    doc["spec"]["training"]["gradientAccumulation"] = 2
+    result = run(doc)
     assert (out / "hf" / "model.safetensors").exists() and result.step == 4
     margin = series(out, "reward_margin")
     assert margin[0] == pytest.approx(0.0, abs=1e-5)  # the frozen copy equals the policy

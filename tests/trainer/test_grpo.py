@@ -179,7 +179,8 @@ def test_grpo_raises_the_mean_reward(task, tmp_path):
 
 def test_lora_gspo_with_every_reward_type_resumes_exactly(task, tmp_path):
     """LoRA (the reference is the policy with its adapters off), gspo-token loss, the four
-    reward types; a run resumed from step 2 ends bitwise where the whole run ended."""
+    reward types, 2 micro-batches a step; a run resumed from step 2 ends bitwise where the
+    whole run ended."""
     out = tmp_path / "out"
     rewards = [
         {"type": "exactAnswer"},
@@ -191,7 +192,7 @@ def test_lora_gspo_with_every_reward_type_resumes_exactly(task, tmp_path):
         task,
         out,
         lora={"rank": 4, "alpha": 8},
-        training={"steps": 4, "learningRate": 0.01},
+        training={"steps": 4, "learningRate": 0.01, "gradientAccumulation": 2},
         grpo={"lossAlgorithm": "gspo-token", "rewards": rewards},
         checkpoint={"everySteps": 2},
     )
