@@ -518,6 +518,7 @@ def train(
     if spec.grpo is None:
         raise ValueError("spec.grpo: technique grpo needs a spec.grpo block with rewards")
     check_rollout_engine(str(spec.grpo.rollout_engine))
+    rewards.build_rewards(spec.grpo)  # a reward the user got wrong fails before any loading
     stop = stop if stop is not None else loop.StopFlag()
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()

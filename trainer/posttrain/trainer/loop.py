@@ -10,6 +10,7 @@ The same function runs in a JobSet pod (`posttrain train`) and on a laptop
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import tempfile
@@ -154,8 +155,6 @@ def train(
     exists under output.uri/checkpoints."""
     spec = job.spec
     if spec.technique != "sft":
-        import importlib
-
         module = importlib.import_module(TECHNIQUES[str(spec.technique)])
         return module.train(job, process, show_bar=show_bar, stop=stop)
     stop = stop if stop is not None else StopFlag()
