@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
 from posttrain.trainer import storage
 from posttrain.trainer.chat_template import (
     ChatTemplate,
