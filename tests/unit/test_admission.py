@@ -82,3 +82,18 @@ def test_admission_refuses_bad_lora_regex():
     doc["spec"]["lora"] = {"targetModules": "q_proj("}
     (err,) = admission_errors(doc, None)
     assert err.field == "spec.lora.targetModules"
+
+
+def test_admission_checks_lora_module_names_against_the_family():
+    doc = valid_job()
+    doc["spec"]["model"] = {"source": "/models/gemma", "family": "gemma3"}
+    doc["spec"]["lora"] = {"targetModules": "q_proj, query_key_value"}
+    (err,) = admission_errors(doc, None)
+    assert err.field == "spec.lora.targetModules" and "'query_key_value'" in err.message
+    doc["spec"]["lora"] = {"targetModules": "q_einsum,kv_einsum"}
+    assert admission_errors(doc, None) == []
+    doc["spec"]["model"]["family"] = "llama3"
+    (err,) = admission_errors(doc, None)
+    assert "llama3 models have no module named 'q_einsum', 'kv_einsum'" in err.message
+    doc["spec"]["lora"] = {"targetModules": "layers/\\\\d+/attn/q_proj"}  # a regex: not a name list
+    assert admission_errors(doc, None) == []

@@ -1,7 +1,7 @@
 """The validating admission webhook: checks the CRD's CEL cannot express.
 
 The API server has already applied the schema and CEL rules; this adds the accelerator
-catalog, derived name lengths, LoRA target patterns, and whether the job fits in
+catalog, derived name lengths, LoRA module names per family and patterns, and whether the job fits in
 accelerator memory. `admission_errors` is pure; `webhook.py` serves it.
 """
 
@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from posttrain import capacity, catalog
+from posttrain.api import lora_modules
 from posttrain.api.validate import FieldError, immutable_changes, validate
 
 
@@ -22,8 +23,16 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
         return errors
     spec = job.spec
     if spec.lora and spec.lora.target_modules:
+        family, targets = spec.model.family, spec.lora.target_modules
+        if unknown := lora_modules.unknown_names(family, targets):
+            names = ", ".join(map(repr, unknown))
+            errors.append(
+                FieldError(
+                    "spec.lora.targetModules", f"{family} models have no module named {names}"
+                )
+            )
         try:
-            re.compile(spec.lora.target_modules)
+            re.compile(targets)
         except re.error as e:
             errors.append(
                 FieldError("spec.lora.targetModules", f"not a valid regular expression: {e}")

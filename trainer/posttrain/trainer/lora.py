@@ -37,6 +37,7 @@ from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from posttrain.api import lora_modules
 from posttrain.trainer import models
 
 TARGET_FIELD = "spec.lora.targetModules"
@@ -45,22 +46,8 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_TUNIX_NAMES = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", *_MLP, "lm_head"),
-    "gemma": ("q_einsum", "kv_einsum", "qkv_einsum", "attn_vec_einsum", *_MLP),
-}
-# Hugging Face / PEFT module names -> Tunix module names, per kind of family.
-_HF_TO_TUNIX = {
-    "llama": {n: n for n in _TUNIX_NAMES["llama"]},
-    "gemma": {
-        "q_proj": "q_einsum",
-        "k_proj": "kv_einsum",
-        "v_proj": "kv_einsum",
-        "o_proj": "attn_vec_einsum",
-        **{n: n for n in _TUNIX_NAMES["gemma"]},
-    },
-}
+_TUNIX_NAMES = lora_modules.TUNIX_NAMES
+_HF_TO_TUNIX = lora_modules.HF_TO_TUNIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +64,7 @@ class LoraSettings:
 
 
 def _kind(family: str) -> str:
-    return "gemma" if family.startswith("gemma") else "llama"
+    return lora_modules.kind(family)
 
 
 def family_of(model: nnx.Module) -> str:
@@ -123,7 +110,7 @@ def adaptable_modules(model: nnx.Module) -> dict[str, str]:
     return out
 
 
-_NAME_LIST = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*(\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*\s*")
+_NAME_LIST = lora_modules.NAME_LIST
 
 
 def resolve_targets(
