@@ -146,3 +146,62 @@ class OperatorProcess:
                 self.kill()
         if getattr(self, "_log", None):
             self._log.close()
+
+
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def chart_identity(plane, namespace: str, path: Path) -> Path:
+    """Install the Helm chart's ServiceAccount and RBAC into `namespace` and write a
+    kubeconfig that authenticates as that ServiceAccount: the identity the operator has
+    when installed with the chart (release name "posttrain")."""
+    import json
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    helm = root / ".cache" / "control-plane" / "bin" / "helm"
+    rendered = subprocess.run(
+        [
+            str(helm),
+            "template",
+            "posttrain",
+            str(root / "charts" / "posttrain"),
+            "--namespace",
+            namespace,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "HELM_CACHE_HOME": "/tmp/posttrain-helm-cache"},
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in RBAC_KINDS]
+    plane.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+    )
+    (account,) = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
+    token = plane.kubectl(
+        "create", "token", account, "-n", namespace, "--duration=2h"
+    ).stdout.strip()
+    cluster = yaml.safe_load(Path(plane.kubeconfig).read_text())["clusters"][0]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [
+                    {"name": account, "context": {"cluster": cluster["name"], "user": account}}
+                ],
+                "current-context": account,
+            }
+        )
+    )
+    return path

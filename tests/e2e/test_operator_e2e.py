@@ -1,15 +1,18 @@
 """The operator on the full local cluster: real JobSet controller (with its webhooks),
 kube-controller-manager, kube-scheduler and kwok fake TPU hosts.
 
+The operator runs with the Helm chart's ServiceAccount and RBAC, nothing more.
 kwok ends a trainer pod according to its image tag (scripts/control-plane/kwok-stages.yaml):
 `slow` completes after a few seconds, `exit-1` crashes, `exit-65` is a user error.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess
+from operator_process import OperatorProcess, chart_identity
 
 from tests.cluster import Cluster, wait_for
 
@@ -17,11 +20,24 @@ pytestmark = pytest.mark.e2e
 GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"
 
 
+@pytest.fixture(scope="module")
+def operator_identity(cluster: Cluster, tmp_path_factory) -> tuple[Path, str]:
+    """The operator runs as the Helm chart's ServiceAccount, with the chart's RBAC only."""
+    release_ns = cluster.create_namespace("posttrain-system")
+    kubeconfig = chart_identity(
+        cluster, release_ns, tmp_path_factory.mktemp("identity") / "operator.kubeconfig"
+    )
+    yield kubeconfig, release_ns
+    cluster.delete_namespace(release_ns)
+
+
 @pytest.fixture
-def operator(cluster: Cluster, namespace: str, tmp_path):
-    op = OperatorProcess(cluster.kubeconfig, tmp_path, namespace, "-n", namespace).start()
+def operator(cluster: Cluster, namespace: str, operator_identity, tmp_path):
+    kubeconfig, release_ns = operator_identity
+    op = OperatorProcess(kubeconfig, tmp_path, release_ns, "-n", namespace).start()
     yield op
     op.stop()
+    assert "Forbidden" not in op.logs() and " 403" not in op.logs(), op.logs()
 
 
 def tpu_job(cluster: Cluster, namespace: str, name: str, image: str, **scheduling) -> dict:

@@ -35,6 +35,14 @@ def tpu_slice_jobset(name: str) -> dict:
                             "completions": 2,
                             "backoffLimit": 0,
                             "template": {
+                                # Both hosts run at once (as real JAX hosts do), so the
+                                # second pod cannot reuse the first one's node after it ends.
+                                "metadata": {
+                                    "annotations": {
+                                        "pod-complete.stage.kwok.x-k8s.io/delay": "3s",
+                                        "pod-complete.stage.kwok.x-k8s.io/jitter-delay": "3s",
+                                    }
+                                },
                                 "spec": {
                                     "restartPolicy": "Never",
                                     "nodeSelector": {
@@ -59,7 +67,7 @@ def tpu_slice_jobset(name: str) -> dict:
                                             },
                                         }
                                     ],
-                                }
+                                },
                             },
                         }
                     },

@@ -96,8 +96,8 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
     assert progress["step"] == 6 and progress["totalSteps"] == 6
     assert progress["lastCheckpointStep"] == 6
     assert progress["loss"] > 0 and progress["tokensPerSecond"] > 0 and "updatedAt" in progress
-    row = apiserver.kubectl(
-        "get", "ptj", "progress", "-n", namespace, "--no-headers"
-    ).stdout.split()
-    assert row[5:7] == ["6", "6"]
-    assert json.dumps(status).count("token") == 0  # no credential leaked into status
+    columns = "-o=custom-columns=STEP:.status.progress.step,TOTAL:.status.progress.totalSteps"
+    out = apiserver.kubectl("get", "ptj", "progress", "-n", namespace, columns).stdout.split()
+    assert out == ["STEP", "TOTAL", "6", "6"]
+    token = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
+    assert token not in json.dumps(status)  # no credential leaked into status

@@ -67,12 +67,28 @@ def _phase(obj: dict[str, Any]) -> str | None:
 
 
 def _write_status(ptj: dict[str, Any], jobset: dict[str, Any] | None) -> None:
-    meta = ptj["metadata"]
-    previous = ptj.get("status") or {}
-    patch = status_patch(jobset, ptj.get("spec") or {}, previous, _now(), meta.get("generation"))
-    if not changed(previous, patch):
-        return
-    kube.patch_job_status(meta["namespace"], meta["name"], patch)
+    """Status from the JobSet, written only over the status it was computed from: handlers
+    run concurrently, and one holding an older copy must not move the phase back."""
+    for _ in range(5):
+        meta = ptj["metadata"]
+        previous = ptj.get("status") or {}
+        patch = status_patch(
+            jobset, ptj.get("spec") or {}, previous, _now(), meta.get("generation")
+        )
+        if not changed(previous, patch):
+            return
+        try:
+            kube.patch_job_status(
+                meta["namespace"], meta["name"], patch, meta.get("resourceVersion")
+            )
+            break
+        except kube.Conflict:
+            ptj = kube.get_job(meta["namespace"], meta["name"])
+            jobset = kube.get_jobset(meta["namespace"], meta["name"])
+            if ptj is None:
+                return
+    else:
+        raise kube.temporary(RuntimeError("status kept changing while being written"))
     if patch.get("phase") != previous.get("phase"):
         kind = "Warning" if patch["phase"] == "Failed" else "Normal"
         kopf.event(ptj, type=kind, reason=patch["phase"], message=patch.get("message", ""))

@@ -107,14 +107,27 @@ def get_job(namespace: str, name: str) -> dict[str, Any] | None:
         raise temporary(e) from e
 
 
-def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+class Conflict(Exception):
+    """The object changed since it was read (optimistic concurrency)."""
+
+
+def patch_job_status(
+    namespace: str, name: str, status: dict[str, Any], resource_version: str | None = None
+) -> None:
+    """Merge-patch status; with resource_version, only if the object is unchanged since
+    (raises Conflict otherwise)."""
+    body: dict[str, Any] = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
     try:
         _custom().patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+            GROUP, VERSION, namespace, PLURAL, name, body
         )
     except ApiException as e:
         if e.status == 404:
             return
+        if e.status == 409 and resource_version:
+            raise Conflict(name) from e
         raise temporary(e) from e
     except urllib3.exceptions.HTTPError as e:
         raise temporary(e) from e
