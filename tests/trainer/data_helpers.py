@@ -1,4 +1,4 @@
-"""Helpers for the data pipeline tests: a tiny tokenizer made on the spot, and a real
+"""Helpers for the trainer tests: a tiny tokenizer made on the spot, and a real
 GCS-compatible server (fake-gcs-server, built from Go modules) on 127.0.0.1."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,3 +150,20 @@ def fake_gcs_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def gcs_bucket(name: str) -> Iterator[str]:
+    """A fake-gcs-server holding bucket `name`, with STORAGE_EMULATOR_HOST pointing at it
+    for this process and its children; yields "gs://<name>"."""
+    from posttrain.trainer import storage
+
+    mp = pytest.MonkeyPatch()
+    with fake_gcs_server() as url:
+        mp.setenv("STORAGE_EMULATOR_HOST", url)
+        mp.setenv("GOOGLE_CLOUD_PROJECT", "posttrain-test")
+        storage.gcs_client().create_bucket(name)
+        try:
+            yield f"gs://{name}"
+        finally:
+            mp.undo()

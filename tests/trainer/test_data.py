@@ -29,7 +29,7 @@ from tests.trainer.data_helpers import (
     FAKE_GCS_BUILD,
     ROOT,
     fake_gcs_binary,
-    fake_gcs_server,
+    gcs_bucket,
     make_tokenizer_dir,
 )
 
@@ -587,17 +587,9 @@ def test_example_datasets_match_their_generator(capsys):
 
 
 @pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """A fake-gcs-server on 127.0.0.1 with bucket 'ptdata'; STORAGE_EMULATOR_HOST set."""
-    mp = pytest.MonkeyPatch()
-    with fake_gcs_server() as url:
-        mp.setenv("STORAGE_EMULATOR_HOST", url)
-        mp.setenv("GOOGLE_CLOUD_PROJECT", "posttrain-test")
-        storage.gcs_client().create_bucket("ptdata")
-        try:
-            yield "gs://ptdata"
-        finally:
-            mp.undo()
+def gcs():
+    with gcs_bucket("ptdata") as bucket:
+        yield bucket
 
 
 def test_fake_gcs_server_is_built():
@@ -633,6 +625,9 @@ def test_storage_on_gcs(gcs, tmp_path):
     assert (local / "sub" / "b.txt").read_text() == "héllo"
     storage.upload_dir(local, f"{gcs}/copy")
     assert storage.read_text(f"{gcs}/copy/sub/c.txt") == "streamed"
+    storage.move(f"{gcs}/copy/sub", f"{gcs}/moved")
+    assert storage.list_uri(f"{gcs}/moved") == [f"{gcs}/moved/b.txt", f"{gcs}/moved/c.txt"]
+    assert not storage.exists(f"{gcs}/copy/sub")
     storage.delete(f"{gcs}/copy", recursive=True)
     assert not storage.exists(f"{gcs}/copy")
 

@@ -1,11 +1,13 @@
 """The training loop end to end on CPU with a tiny random Llama: learning, outputs,
-checkpoints with exact resume (in-process and after SIGTERM/SIGKILL), corrupt
-checkpoints, full fine-tune export, and errors in the job's input."""
+checkpoints with exact resume (in-process and after SIGTERM/SIGKILL, on local disk and
+on gs:// through a real GCS-compatible server), corrupt and partial checkpoints, full
+fine-tune export, and errors in the job's input."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from safetensors.numpy import load_file
+from safetensors.numpy import load
 from tb_events import scalars
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
+from posttrain.trainer import storage
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.loop import train
+from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +37,9 @@ def model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
-def job_doc(model_dir: Path, out: Path, *, steps=12, lora=True, every=4, logEverySteps=2) -> dict:
+def job_doc(
+    model_dir: Path, out: Path | str, *, steps=12, lora=True, every=4, logEverySteps=2
+) -> dict:
     spec = {
         "model": {"source": str(model_dir), "dtype": "float32"},
         "data": {"source": str(DATA), "maxLength": 64},
@@ -62,8 +68,17 @@ def run_inprocess(doc: dict):
     return train(job, ProcessInfo(None, 1, 0), show_bar=False)
 
 
-def adapter(out: Path) -> dict[str, np.ndarray]:
-    return load_file(str(out / "hf" / "adapter_model.safetensors"))
+def adapter(out: Path | str) -> dict[str, np.ndarray]:
+    """The exported PEFT adapter's tensors; `out` is a local path or a gs:// URI."""
+    data = storage.read_bytes(storage.join(str(out), "hf", "adapter_model.safetensors"))
+    return load(data)
+
+
+def committed_steps(out: Path | str) -> list[int]:
+    """Checkpoint steps under out/checkpoints that Orbax marked complete."""
+    root = storage.join(str(out), "checkpoints")
+    names = [f[len(root) + 1 :] for f in storage.list_uri(root, recursive=True)]
+    return sorted(int(n.split("/")[0]) for n in names if re.fullmatch(r"\d+/commit_success.txt", n))
 
 
 def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -93,11 +108,7 @@ def test_lora_sft_learns_and_writes_outputs(reference):
         "train/tokens_per_second",
     } <= tb.keys()
     assert tb["train/loss"][12] == pytest.approx(result.losses[12], rel=1e-6)
-    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [
-        4,
-        8,
-        12,
-    ]
+    assert committed_steps(out) == [4, 8, 12]
     config = yaml.safe_load((out / "hf" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert any(k.endswith("lora_B.weight") for k in adapter(out))
@@ -138,10 +149,10 @@ def _posttrain_run(job_file: Path, **env: str) -> subprocess.Popen:
     )
 
 
-def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
+def _wait_for_checkpoint(out: Path | str, proc: subprocess.Popen, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = [int(p.parent.name) for p in (out / "checkpoints").glob("*/commit_success.txt")]
+        done = committed_steps(out)
         if done:
             return max(done)
         assert proc.poll() is None, proc.stdout.read()
@@ -160,9 +171,21 @@ def long_reference(model_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_killed_run_resumes_bitwise_identical(model_dir, long_reference, tmp_path, sig):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def gcs():
+    with gcs_bucket("ptruns") as bucket:
+        yield bucket
+
+
+@pytest.mark.parametrize(
+    "sig,where",
+    [(signal.SIGTERM, "local"), (signal.SIGKILL, "local"), (signal.SIGKILL, "gcs")],
+    ids=["sigterm", "sigkill", "sigkill-gcs"],
+)
+def test_killed_run_resumes_bitwise_identical(
+    model_dir, long_reference, tmp_path, sig, where, request
+):
+    out = tmp_path / "out" if where == "local" else f"{request.getfixturevalue('gcs')}/killed"
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job_doc(model_dir, out, **LONG)))
     proc = _posttrain_run(job_file)
@@ -174,12 +197,40 @@ def test_killed_run_resumes_bitwise_identical(model_dir, long_reference, tmp_pat
         assert "after saving a checkpoint" in log
     else:
         assert proc.returncode == -signal.SIGKILL
-    assert not (out / "hf").exists(), "the run finished before it was killed; nothing was tested"
+    assert not storage.exists(storage.join(str(out), "hf")), (
+        "the run finished before it was killed; nothing was tested"
+    )
     proc = _posttrain_run(job_file)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log
     assert "resumed from checkpoint step" in log
     assert_bitwise_equal(adapter(out), adapter(long_reference))
+
+
+def test_checkpoints_and_outputs_on_gcs(model_dir, reference, gcs, caplog):
+    """output.uri on gs://: Orbax writes the checkpoints straight to the bucket,
+    TensorBoard and the export are uploaded; a resume skips a partial step (no
+    commit_success.txt) and a corrupt one, and still ends bitwise identical."""
+    out = f"{gcs}/tiny"
+    first = run_inprocess(job_doc(model_dir, out))
+    assert first.step == 12 and first.export_dir == f"{out}/hf"
+    assert committed_steps(out) == [4, 8, 12]
+    assert storage.list_uri(f"{out}/tensorboard")
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
+
+    # The run "died" after writing step 8 and while writing step 12: step 12 has no
+    # commit_success.txt and step 8's objects were damaged afterwards.
+    storage.delete(f"{out}/hf", recursive=True)
+    storage.delete(f"{out}/checkpoints/12/commit_success.txt")
+    for f in storage.list_uri(f"{out}/checkpoints/8", recursive=True):
+        if "/state/" in f and not f.endswith("commit_success.txt"):
+            storage.write_bytes(f, b"\0garbage")
+    again = run_inprocess(job_doc(model_dir, out))
+    assert again.resumed_from == 4 and again.step == 12
+    assert "checkpoints/8 is unreadable" in caplog.text
+    assert storage.exists(f"{out}/checkpoints/8.unreadable/state")
+    assert committed_steps(out) == [4, 8, 12]
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
 
 
 def test_full_finetune_exports_merged_model_that_loads(model_dir, tmp_path):

@@ -1,6 +1,7 @@
 """Multi-host training on one machine: 2 processes x 2 CPU devices with jax.distributed,
 configured through the same environment variables the renderer puts into JobSet pods,
-match the loss curve of 1 process x 4 devices."""
+match the loss curve of 1 process x 4 devices. The 2 processes write their checkpoints
+to gs:// (a real GCS-compatible server), and resume from there bitwise identically."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import yaml
 from tb_events import scalars
 from tiny_model import make_tiny_llama
 
+from posttrain.trainer import storage
+from tests.trainer.data_helpers import gcs_bucket
+
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +29,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(tmp: Path, model: Path, out: Path) -> Path:
+def _job(tmp: Path, model: Path, out: Path | str) -> Path:
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",
@@ -39,7 +43,7 @@ def _job(tmp: Path, model: Path, out: Path) -> Path:
             "output": {"uri": str(out)},
         },
     }
-    path = tmp / f"{out.name}.yaml"
+    path = tmp / f"{storage.basename(str(out))}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -54,44 +58,54 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
     }
 
 
-def test_two_processes_match_one(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "model")
-    single = _job(tmp_path, model, tmp_path / "single")
-    multi = _job(tmp_path, model, tmp_path / "multi")
-    cmd = [sys.executable, "-m", "posttrain.cli", "run"]
-    one = subprocess.Popen(
-        [*cmd, str(single)],
-        env=_env(4),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+CMD = [sys.executable, "-m", "posttrain.cli", "run"]
+
+
+def _run(job: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*CMD, str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    port = _port()
+
+
+def _two_hosts(job: Path) -> list[subprocess.Popen]:
     # What a 2-host slice pod gets from the rendered JobSet (see posttrain.render.jobset).
     pod_env = {
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}",
         "JAX_NUM_PROCESSES": "2",
         "POSTTRAIN_JOB_INDEX": "0",
         "POSTTRAIN_PODS_PER_JOB": "2",
     }
-    hosts = [
-        subprocess.Popen(
-            [*cmd, str(multi)],
-            env=_env(2, **pod_env, JOB_COMPLETION_INDEX=str(i)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = [p.communicate(timeout=600)[0] for p in [one, *hosts]]
-    for proc, log in zip([one, *hosts], logs, strict=True):
+    return [_run(job, _env(2, **pod_env, JOB_COMPLETION_INDEX=str(i))) for i in range(2)]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log
-    assert "process 1 of 2" in logs[2]
-    a = scalars(tmp_path / "single" / "tensorboard")["train/loss"]
-    b = scalars(tmp_path / "multi" / "tensorboard")["train/loss"]
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a, b)
-    assert a[6] < a[1]
-    assert (tmp_path / "multi" / "hf" / "adapter_model.safetensors").exists()
+    return logs
+
+
+def test_two_processes_match_one(tmp_path: Path):
+    model = make_tiny_llama(tmp_path / "model")
+    with gcs_bucket("ptmulti") as bucket:
+        single = _job(tmp_path, model, tmp_path / "single")
+        multi_uri = f"{bucket}/multi"
+        multi = _job(tmp_path, model, multi_uri)
+        logs = _finish([_run(single, _env(4)), *_two_hosts(multi)])
+        assert "process 1 of 2" in logs[2]
+        multi_out = storage.download_dir(multi_uri, tmp_path / "multi")
+        a = scalars(tmp_path / "single" / "tensorboard")["train/loss"]
+        b = scalars(multi_out / "tensorboard")["train/loss"]
+        assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a, b)
+        assert a[6] < a[1]
+        exported = (multi_out / "hf" / "adapter_model.safetensors").read_bytes()
+
+        # Both hosts restart after step 3 and restore their shards from gs://.
+        storage.delete(f"{multi_uri}/checkpoints/6", recursive=True)
+        storage.delete(f"{multi_uri}/hf", recursive=True)
+        logs = _finish(_two_hosts(multi))
+        assert all("resumed from checkpoint step 3" in log for log in logs), logs
+        again = storage.read_bytes(f"{multi_uri}/hf/adapter_model.safetensors")
+        assert again == exported

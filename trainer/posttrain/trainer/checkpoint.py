@@ -8,7 +8,9 @@ and the data iterator's position.
   partial) is skipped with a warning and the one before it is used. The unreadable step
   is renamed to `<step>.unreadable` (kept for inspection, never deleted) so training can
   write that step again.
-- Works on local paths and gs:// (Orbax writes through tensorstore/etils).
+- Works on local paths and gs://. On gs:// every host writes its own shards straight to
+  the bucket (tensorstore) and Orbax marks a finished step with `commit_success.txt`
+  (object stores have no atomic rename); a step without it is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
+
+from posttrain.trainer import storage
 
 log = logging.getLogger("posttrain.checkpoint")
 
@@ -37,6 +40,8 @@ class Checkpoints:
 
     def __init__(self, directory: str, keep: int, asynchronous: bool = True):
         self.directory = directory
+        if storage.is_gcs(directory):
+            storage.follow_emulator()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=asynchronous,
@@ -103,14 +108,18 @@ class Checkpoints:
     def _quarantine(self, steps: list[int]) -> None:
         if not steps or jax.process_index() != 0:
             return
-        root = epath.Path(self.directory)
         for step in steps:
-            target = root / f"{step}.unreadable"
-            if target.exists():
-                target = root / f"{step}.unreadable-{len(list(root.glob(f'{step}.unreadable*')))}"
-            (root / str(step)).rename(target)
+            target = storage.join(self.directory, f"{step}.unreadable")
+            copies = 0
+            while storage.exists(target):
+                copies += 1
+                target = storage.join(self.directory, f"{step}.unreadable-{copies}")
+            storage.move(storage.join(self.directory, str(step)), target)
             log.warning(
-                "moved unreadable checkpoint %s/%s to %s", self.directory, step, target.name
+                "moved unreadable checkpoint %s/%s to %s",
+                self.directory,
+                step,
+                storage.basename(target),
             )
         self.manager.reload()
 

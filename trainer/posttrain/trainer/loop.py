@@ -242,6 +242,10 @@ def run_steps(
         storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep, spec.checkpoint.async_
     )
     result = Result(step=0)
+    # The restore target must carry the final layouts: every host then reads only its own
+    # shards (a fresh optimizer state sits on one device, which another host cannot reach).
+    with jax.set_mesh(mesh):
+        _shard_like_params(opt, mesh)
     restored = checkpoints.restore_latest(_trainable(model, wrt, opt))
     if restored is not None:
         _restore_into(model, wrt, opt, restored.state)
@@ -262,7 +266,6 @@ def run_steps(
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
     with jax.set_mesh(mesh):
-        _shard_like_params(opt, mesh)
         while result.step < total and not stop:
             out = dict(step(next(loader), result.step))
             loss = out.pop("loss")

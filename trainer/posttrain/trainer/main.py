@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.api.validate import InvalidJob, load_job
@@ -84,7 +83,5 @@ def run_command(args: argparse.Namespace) -> int:
         job.spec.output.uri = args.output
     if args.steps:
         job.spec.training.steps = args.steps
-    print(
-        f"posttrain: training {job.metadata.name} -> {Path(job.spec.output.uri)}", file=sys.stderr
-    )
+    print(f"posttrain: training {job.metadata.name} -> {job.spec.output.uri}", file=sys.stderr)
     return _run(job, show_bar=True)

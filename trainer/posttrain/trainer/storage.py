@@ -2,9 +2,11 @@
 
 Data loading, checkpoints and the Hugging Face export all go through these functions,
 so every output location can be a local path, a mounted volume or Cloud Storage.
-gs:// goes through google-cloud-storage, which honours STORAGE_EMULATOR_HOST (tests
-point it at a local fake-gcs-server); credentials come from the environment
-(Workload Identity, GOOGLE_APPLICATION_CREDENTIALS), never from this module.
+gs:// goes through google-cloud-storage here; Orbax checkpoints reach gs:// through
+tensorstore (arrays) and gcsfs (directories). STORAGE_EMULATOR_HOST points all three at
+a GCS-compatible emulator (tests use a local fake-gcs-server): see `follow_emulator`.
+Credentials come from the environment (Workload Identity,
+GOOGLE_APPLICATION_CREDENTIALS), never from this module.
 """
 
 from __future__ import annotations
@@ -57,6 +59,27 @@ def basename(uri: str) -> str:
 
 
 # ---------------------------------------------------------------------------- gcs
+
+
+def follow_emulator() -> None:
+    """Configure every gs:// client in the process for GCS semantics, and for the emulator
+    at STORAGE_EMULATOR_HOST when it is set.
+
+    - fsspec/gcsfs must not cache listings: Orbax lists checkpoint steps that tensorstore
+      wrote behind gcsfs's back.
+    - google-cloud-storage and gcsfs read STORAGE_EMULATOR_HOST themselves; tensorstore
+      has its own endpoint variable, and an emulator takes any bearer token. gcsfs's
+      bucket-type probe needs the real GCS control API, so it is turned off there.
+    """
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default"):
+        return
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = host if "://" in host else f"http://{host}"
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 @functools.lru_cache(maxsize=4)
@@ -207,6 +230,20 @@ def delete(uri: str | os.PathLike[str], *, recursive: bool = False) -> None:
         targets.append(uri)
     for t in targets:
         _blob(t).delete()
+
+
+def move(uri: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename a file or directory (on gs://: copy then delete every object below uri)."""
+    uri, dst = str(uri), str(dst)
+    if not is_gcs(uri):
+        os.replace(uri, dst)
+        return
+    root = uri.rstrip("/")
+    for f in list_uri(root, recursive=True) or [root]:
+        target = _blob(join(dst, f[len(root) + 1 :])) if f != root else _blob(dst)
+        source = _blob(f)
+        source.bucket.copy_blob(source, target.bucket, target.name)
+        source.delete()
 
 
 def download_dir(uri: str, local_dir: str | os.PathLike[str]) -> Path:
