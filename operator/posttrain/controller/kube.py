@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import kopf
 import urllib3
@@ -20,6 +20,7 @@ from posttrain.render.jobset import JOBSET_API_VERSION
 log = logging.getLogger("posttrain.operator")
 JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
 JOBSETS = "jobsets"
+T = TypeVar("T")
 
 
 @functools.cache
@@ -70,41 +71,39 @@ def create_if_absent(namespace: str, obj: dict[str, Any]) -> dict[str, Any] | No
         raise temporary(e) from e
 
 
-def get_jobset(namespace: str, name: str) -> dict[str, Any] | None:
+def _call(call: Callable[[], T], *, missing: T | None = None) -> T | None:
+    """call(); `missing` when the object is gone (404). Other API and connection errors
+    become kopf retries."""
     try:
-        return _custom().get_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name
-        )
+        return call()
     except ApiException as e:
         if e.status == 404:
-            return None
+            return missing
         raise temporary(e) from e
     except urllib3.exceptions.HTTPError as e:
         raise temporary(e) from e
+
+
+def get_jobset(namespace: str, name: str) -> dict[str, Any] | None:
+    return _call(
+        lambda: _custom().get_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name
+        )
+    )
 
 
 def patch_jobset(namespace: str, name: str, patch: dict[str, Any]) -> None:
-    try:
-        _custom().patch_namespaced_custom_object(
+    _call(
+        lambda: _custom().patch_namespaced_custom_object(
             JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name, patch
         )
-    except ApiException as e:
-        if e.status == 404:
-            return
-        raise temporary(e) from e
-    except urllib3.exceptions.HTTPError as e:
-        raise temporary(e) from e
+    )
 
 
 def get_job(namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        return _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise temporary(e) from e
-    except urllib3.exceptions.HTTPError as e:
-        raise temporary(e) from e
+    return _call(
+        lambda: _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    )
 
 
 class Conflict(Exception):
