@@ -262,6 +262,22 @@ class Cluster:
             )
         return name
 
+    def ensure_namespace(self, name: str) -> None:
+        """Create namespace `name` unless it exists (for the fixed names the guides use;
+        never deleted: see delete_namespace)."""
+        proc = self.kubectl("create", "namespace", name, check=False)
+        assert proc.returncode == 0 or "AlreadyExists" in proc.stderr, proc.stderr
+
+    def kubeconfig_in(self, namespace: str, path: Path) -> Path:
+        """A copy of the admin kubeconfig whose default namespace is `namespace`."""
+        import yaml
+
+        config = yaml.safe_load(Path(self.kubeconfig).read_text())
+        for context in config["contexts"]:
+            context["context"]["namespace"] = namespace
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def delete_namespace(self, name: str) -> None:
         # Without the controller manager (integration tier) a namespace stays Terminating;
         # harmless, each test uses a new name.

@@ -154,7 +154,9 @@ RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 def chart_identity(plane, namespace: str, path: Path) -> Path:
     """Install the Helm chart's ServiceAccount and RBAC into `namespace` and write a
     kubeconfig that authenticates as that ServiceAccount: the identity the operator has
-    when installed with the chart (release name "posttrain")."""
+    when installed with the chart. The release is named after the namespace, so the
+    cluster-scoped ClusterRole and ClusterRoleBinding are this caller's alone (remove
+    them with drop_chart_identity)."""
     import json
 
     import yaml
@@ -165,7 +167,7 @@ def chart_identity(plane, namespace: str, path: Path) -> Path:
         [
             str(helm),
             "template",
-            "posttrain",
+            namespace,
             str(root / "charts" / "posttrain"),
             "--namespace",
             namespace,
@@ -186,6 +188,26 @@ def chart_identity(plane, namespace: str, path: Path) -> Path:
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
     )
     (account,) = [d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"]
+    return token_kubeconfig(plane, namespace, account, path)
+
+
+def drop_chart_identity(plane, namespace: str) -> None:
+    """Delete the cluster-scoped RBAC chart_identity(plane, namespace, ...) made."""
+    plane.kubectl(
+        "delete",
+        "clusterrole,clusterrolebinding",
+        "-l",
+        f"app.kubernetes.io/instance={namespace}",
+        "--ignore-not-found",
+        check=False,
+    )
+
+
+def token_kubeconfig(plane, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig for `plane` that authenticates with a token of ServiceAccount
+    `namespace/account`."""
+    import yaml
+
     token = plane.kubectl(
         "create", "token", account, "-n", namespace, "--duration=2h"
     ).stdout.strip()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess, chart_identity
+from operator_process import OperatorProcess, chart_identity, drop_chart_identity
 
 from tests.cluster import Cluster, wait_for
 
@@ -28,6 +28,7 @@ def operator_identity(cluster: Cluster, tmp_path_factory) -> tuple[Path, str]:
         cluster, release_ns, tmp_path_factory.mktemp("identity") / "operator.kubeconfig"
     )
     yield kubeconfig, release_ns
+    drop_chart_identity(cluster, release_ns)
     cluster.delete_namespace(release_ns)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess
+from operator_process import OperatorProcess, token_kubeconfig
 
 import tests.unit.test_dockerfiles as dockerfiles
 from tests.cluster import Cluster, control_plane, unique_name, wait_for
@@ -71,11 +71,6 @@ def dump(docs: list[dict[str, Any]]) -> str:
     return yaml.safe_dump_all(docs, sort_keys=False)
 
 
-def ensure_namespace(apiserver: Cluster, name: str) -> None:
-    proc = apiserver.kubectl("create", "namespace", name, check=False)
-    assert proc.returncode == 0 or "AlreadyExists" in proc.stderr, proc.stderr
-
-
 # -- helm template / kubectl kustomize through the API server's validation --------------
 
 
@@ -116,7 +111,7 @@ def kustomize(apiserver: Cluster, path: Path) -> list[dict[str, Any]]:
 
 
 def server_dry_run(apiserver: Cluster, docs: list[dict[str, Any]]) -> str:
-    ensure_namespace(apiserver, "posttrain-system")  # a dry run creates no namespace
+    apiserver.ensure_namespace("posttrain-system")  # a dry run creates no namespace
     return apiserver.kubectl("apply", "--dry-run=server", "-f", "-", input=dump(docs)).stdout
 
 
@@ -460,39 +455,15 @@ def test_operator_creates_what_it_renders_as_its_serviceaccount(
     assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc.stderr
 
 
-def _token_kubeconfig(apiserver: Cluster, release: Release, path: Path) -> Path:
-    token = apiserver.kubectl(
-        "create", "token", release.serviceaccount, "-n", release.namespace, "--duration=1h"
-    ).stdout.strip()
-    admin = yaml.safe_load(Path(apiserver.kubeconfig).read_text())
-    cluster = admin["clusters"][0]
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [cluster],
-                "users": [{"name": "operator", "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": "operator",
-                        "context": {"cluster": cluster["name"], "user": "operator"},
-                    }
-                ],
-                "current-context": "operator",
-            }
-        )
-    )
-    return path
-
-
 def test_operator_runs_under_the_chart_rbac(
     apiserver: Cluster, release: Release, tmp_path: Path
 ) -> None:
     """`posttrain operator` with the chart's ServiceAccount token: it takes the Lease in
     the release namespace, creates a job's objects, writes status and events, and logs no
     Forbidden. (Watching one namespace, so it never touches other tests' jobs.)"""
-    kubeconfig = _token_kubeconfig(apiserver, release, tmp_path / "operator.kubeconfig")
+    kubeconfig = token_kubeconfig(
+        apiserver, release.namespace, release.serviceaccount, tmp_path / "operator.kubeconfig"
+    )
     whoami = subprocess.run(
         [str(control_plane.BIN_DIR / "kubectl"), f"--kubeconfig={kubeconfig}", "auth", "whoami"],
         capture_output=True,
@@ -535,7 +506,7 @@ def test_operator_runs_under_the_chart_rbac(
 def test_argocd_cm_patch_applies(apiserver: Cluster) -> None:
     """`kubectl -n argocd patch configmap argocd-cm --patch-file manifests/argocd/argocd-cm.yaml`
     (docs/operator-guide.md) merges the health check into an existing argocd-cm."""
-    ensure_namespace(apiserver, "argocd")
+    apiserver.ensure_namespace("argocd")
     name = "argocd-cm"
     existing = apiserver.kubectl("get", "configmap", name, "-n", "argocd", check=False)
     created = existing.returncode != 0
