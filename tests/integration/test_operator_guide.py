@@ -81,7 +81,7 @@ def test_kueue_queues(apiserver: Cluster, tmp_path: Path, request) -> None:
             apiserver.kubectl("delete", "-f", str(manifest), "--ignore-not-found", check=False)
     assert applied.stdout.count("serverside-applied") == 5, applied.stdout
     tpu = cq["spec"]["resourceGroups"][0]["flavors"][0]
-    assert tpu["name"] == "tpu-v6e-16x16" and tpu["resources"][0]["nominalQuota"] == "512"
+    assert tpu["name"] == "tpu-v6e-16x16" and str(tpu["resources"][0]["nominalQuota"]) == "512"
     assert local["spec"]["clusterQueue"] == "tpu-v6e"
 
 
