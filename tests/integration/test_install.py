@@ -415,6 +415,11 @@ def test_operator_creates_what_it_renders_as_its_serviceaccount(
         "ConfigMap",
         "JobSet",
     ]
+    # Without `bind`, the operator's RoleBinding is checked against its Role, so the Role
+    # must exist first (the operator creates them in that order).
+    binding = json.dumps(objs[2])
+    proc = apiserver.kubectl("create", "-n", ns, as_op, "-f", "-", input=binding, check=False)
+    assert proc.returncode != 0 and "NotFound" in proc.stderr, proc.stderr
     for obj in objs:
         apiserver.kubectl("create", "-n", ns, as_op, "-f", "-", input=json.dumps(obj))
     apiserver.kubectl(

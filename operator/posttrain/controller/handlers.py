@@ -110,7 +110,10 @@ def reconcile(ptj: dict[str, Any], logger: Any) -> None:
         kopf.warn(ptj, reason="InvalidSpec", message=message)
         return
     *support, jobset = render(job, State.render_config)
-    kube.create_all(meta["namespace"], support)  # the JobSet's pods need these first
+    # The JobSet's pods need these first. A RoleBinding is checked against its Role (the
+    # operator may only grant what it holds), so the Role must exist before it.
+    kube.create_all(meta["namespace"], [o for o in support if o["kind"] != "RoleBinding"])
+    kube.create_all(meta["namespace"], [o for o in support if o["kind"] == "RoleBinding"])
     created = kube.create_if_absent(meta["namespace"], jobset)
     if created is not None:
         log.info("created JobSet %s/%s", meta["namespace"], jobset["metadata"]["name"])

@@ -55,14 +55,15 @@ def temporary(e: Exception) -> kopf.TemporaryError:
 
 
 def create_if_absent(namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
-    """Create obj and return the stored object; None if it already existed."""
+    """Create obj and return the stored object; None if it already existed. A refusal is
+    permanent, except 404 (something it refers to is not there yet): that retries."""
     try:
         response = _creator(obj["kind"])(namespace, obj, _preload_content=False)
         return json.loads(response.data)
     except ApiException as e:
         if e.status == 409:
             return None
-        if e.status and 400 <= e.status < 500:
+        if e.status and 400 <= e.status < 500 and e.status != 404:
             raise kopf.PermanentError(
                 f"{obj['kind']} {obj['metadata']['name']}: {e.reason}: {e.body}"
             ) from e

@@ -16,6 +16,7 @@ and the data iterator's position.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +40,11 @@ class Checkpoints:
     """A directory of step checkpoints; keeps the newest `keep`."""
 
     def __init__(self, directory: str, keep: int, asynchronous: bool = True):
-        self.directory = directory
         if storage.is_gcs(directory):
             storage.follow_emulator()
+        else:
+            directory = os.path.abspath(directory)  # Orbax takes absolute paths only
+        self.directory = directory
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=asynchronous,
