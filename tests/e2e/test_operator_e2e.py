@@ -62,7 +62,8 @@ def reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
     items = cluster.core.list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={name}"
     ).items
-    return [e.reason for e in sorted(items, key=lambda e: e.metadata.creation_timestamp)]
+    # creationTimestamp has one-second resolution; the resourceVersion orders creation.
+    return [e.reason for e in sorted(items, key=lambda e: int(e.metadata.resource_version))]
 
 
 def pods(cluster: Cluster, namespace: str) -> list:
@@ -84,9 +85,14 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
     )
     st = status(cluster, namespace, "happy")
     assert st["phase"] == "Succeeded" and st["restarts"] == 0 and st["completionTime"]
-    seen = [
-        r for r in reasons(cluster, namespace, "happy") if r in ("Pending", "Running", "Succeeded")
-    ]
+
+    # The Succeeded event may follow the status patch that `kubectl wait` saw.
+    def succeeded_reported() -> list[str] | None:
+        found = reasons(cluster, namespace, "happy")
+        return found if "Succeeded" in found else None
+
+    all_seen = wait_for(succeeded_reported, timeout=30, what="a Succeeded event")
+    seen = [r for r in all_seen if r in ("Pending", "Running", "Succeeded")]
     # Two handlers may both report the first Pending; the order is what matters.
     transitions = [r for i, r in enumerate(seen) if i == 0 or seen[i - 1] != r]
     assert transitions == ["Pending", "Running", "Succeeded"], seen
@@ -226,7 +232,13 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
         cluster.kubectl(
             "wait", "--for=condition=Succeeded", "ptj/queued", "-n", namespace, "--timeout=180s"
         )
-        assert {"Queued", "Running", "Succeeded"} <= set(reasons(cluster, namespace, "queued"))
+        wait_for(
+            lambda: (
+                {"Queued", "Running", "Succeeded"} <= set(reasons(cluster, namespace, "queued"))
+            ),
+            timeout=30,
+            what="Queued, Running and Succeeded events",
+        )
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "localqueue", "tpu", "-n", namespace, check=False)
