@@ -508,32 +508,6 @@ def test_operator_runs_under_the_chart_rbac(
         assert word not in logs, f"{word!r} in the operator log:\n{logs}"
 
 
-def test_argocd_cm_patch_applies(apiserver: Cluster) -> None:
-    """`kubectl -n argocd patch configmap argocd-cm --patch-file manifests/argocd/argocd-cm.yaml`
-    (docs/operator-guide.md) merges the health check into an existing argocd-cm."""
-    apiserver.ensure_namespace("argocd")
-    name = "argocd-cm"
-    existing = apiserver.kubectl("get", "configmap", name, "-n", "argocd", check=False)
-    created = existing.returncode != 0
-    if created:
-        apiserver.kubectl(
-            "create", "configmap", name, "-n", "argocd", "--from-literal=url=https://argocd.example"
-        )
-    try:
-        apiserver.kubectl(
-            "-n", "argocd", "patch", "configmap", name,
-            "--patch-file", str(MANIFESTS / "argocd" / "argocd-cm.yaml"),
-        )  # fmt: skip
-        data = apiserver.get("configmap", name, "argocd")["data"]
-        key = "resource.customizations.health.posttrain.dev_PostTrainJob"
-        assert data[key] == (MANIFESTS / "argocd" / "health-posttrainjob.lua").read_text()
-        if created:
-            assert data["url"] == "https://argocd.example"  # merged, not replaced
-    finally:
-        if created:
-            apiserver.kubectl("delete", "configmap", name, "-n", "argocd", check=False)
-
-
 # -- the operator image's pip commands in a fresh venv ---------------------------------------
 
 
