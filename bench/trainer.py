@@ -4,7 +4,9 @@
    same optimizer, same batches; tokens/s of each and the ratio (goal >= 0.97).
 2. The data pipeline's examples/s vs what the training loop consumes (goal >= 10x).
 
-    python bench/trainer.py [--steps 20] [--hidden 256] [--layers 4]
+    python bench/trainer.py [--steps 20] [--hidden 256] [--layers 4] [--dtype bfloat16]
+
+--dtype is spec.model.dtype: the base weights' dtype on both sides (float32 adapters).
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def batches(
     return [next(loader) for _ in range(count)], loader
 
 
-def fresh(model_dir: Path, rank: int):
-    model, _ = models.load_model(model_dir)
+def fresh(model_dir: Path, rank: int, dtype: str):
+    model, _ = models.load_model(model_dir, dtype=loop.DTYPES[dtype])
     return lora.apply_lora(model, rank, 2.0 * rank)
 
 
-def time_ours(model_dir: Path, rank: int, data_batches: list[dict]) -> float:
-    model = fresh(model_dir, rank)
+def time_ours(model_dir: Path, rank: int, dtype: str, data_batches: list[dict]) -> float:
+    model = fresh(model_dir, rank, dtype)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
     loop._shard_like_params(opt, models.make_mesh())  # as the training loop does
     step = sft.make_train_step(nnx.LoRAParam, 1)
@@ -72,10 +74,10 @@ def time_ours(model_dir: Path, rank: int, data_batches: list[dict]) -> float:
     return time.perf_counter() - start
 
 
-def time_tunix(model_dir: Path, rank: int, data_batches: list[dict]) -> float:
+def time_tunix(model_dir: Path, rank: int, dtype: str, data_batches: list[dict]) -> float:
     from tunix.sft import peft_trainer
 
-    model = fresh(model_dir, rank)
+    model = fresh(model_dir, rank, dtype)
     config = peft_trainer.TrainingConfig(eval_every_n_steps=10**9, max_steps=len(data_batches))
     trainer = peft_trainer.PeftTrainer(model, optax.adamw(1e-3), config)
 
@@ -112,6 +114,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(loop.DTYPES), default="float32")
     args = p.parse_args()
     model_dir = make_tiny_llama(
         Path(tempfile.mkdtemp()) / "model", hidden=args.hidden, layers=args.layers
@@ -122,10 +125,10 @@ def main() -> int:
     # Alternate the two twice and keep each one's best, to even out a busy machine.
     ours = tunix = float("inf")
     for _ in range(2):
-        tunix = min(tunix, time_tunix(model_dir, args.rank, data_batches))
-        ours = min(ours, time_ours(model_dir, args.rank, data_batches))
+        tunix = min(tunix, time_tunix(model_dir, args.rank, args.dtype, data_batches))
+        ours = min(ours, time_ours(model_dir, args.rank, args.dtype, data_batches))
     print(
-        f"model: llama hidden {args.hidden} x {args.layers} layers, LoRA r{args.rank}, "
+        f"model: llama hidden {args.hidden} x {args.layers} layers ({args.dtype}), LoRA r{args.rank}, "
         f"batch {args.batch} x {args.length}, {args.steps} timed steps, {jax.device_count()} CPU device(s)"
     )
     print(f"posttrain loop:      {tokens / ours:10.0f} tokens/s")

@@ -82,7 +82,12 @@ class ModelSpec(KubeModel):
     """Model architecture. auto reads model_type from the checkpoint's config.json."""
 
     dtype: DType = DType.bfloat16
-    """Dtype of parameters and compute. Optimizer state stays float32."""
+    """Dtype of the forward and backward passes, and of frozen weights (the LoRA base, a
+    DPO/GRPO reference copy, a distillation teacher). Trained weights are float32 master
+    copies, cast to this dtype for each forward pass: every weight of a full fine-tune,
+    or the LoRA adapters. Optimizer state, checkpoints, logits and losses are float32.
+    Exports: a LoRA adapter in float32, a merged LoRA model in this dtype, a full
+    fine-tune in float32."""
 
 
 class LoraSpec(KubeModel):

@@ -78,7 +78,7 @@ def distill_loss(
 
 
 def _logits(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    logits, _ = model(
+    logits, _ = models.compute_view(model)(
         batch["input_ids"], batch["positions"], None, sft.attention_mask(batch["segment_ids"])
     )
     return logits[:, :-1]

@@ -93,7 +93,7 @@ def completion_logps(
     causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
     eye = jnp.eye(length, dtype=jnp.bool_)[None]
     attention = (causal[None] & mask[:, None, :]) | eye
-    logits, _ = model(ids, positions, None, attention)
+    logits, _ = models.compute_view(model)(ids, positions, None, attention)
     prompt_len = prompt_ids.shape[1]
     logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)

@@ -250,10 +250,10 @@ def make_train_step(
         if use_ref == "none":
             return None
         if use_ref == "lora":
-            graphdef, state = nnx.split(model)
+            graphdef, state = nnx.split(models.compute_view(model))
             state = _zero_lora(state)
         else:
-            graphdef, state = nnx.split(ref_model)
+            graphdef, state = nnx.split(models.compute_view(ref_model))
         return common.compute_per_token_logps(
             graphdef,
             state,
@@ -266,7 +266,8 @@ def make_train_step(
         )
 
     def loss_fn(model, example):
-        return policy_loss(model, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
+        view = models.compute_view(model)
+        return policy_loss(view, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 

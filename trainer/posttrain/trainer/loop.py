@@ -189,11 +189,17 @@ class Policy:
 
 def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
     """spec.model loaded on the mesh, with spec.lora's adapters (restored when asked)."""
-    # Full fine-tunes keep float32 master weights; LoRA keeps the frozen base in model.dtype.
-    param_dtype = DTYPES[spec.model.dtype] if spec.lora else jnp.float32
+    # Forward and backward run in spec.model.dtype. What trains is float32 (the master
+    # weights the optimizer updates and checkpoints hold): every weight of a full
+    # fine-tune, the adapters of LoRA (apply_lora), whose frozen base stays in model.dtype.
+    compute = DTYPES[spec.model.dtype]
     model_dir = local_model_dir(spec.model.source, Path.home() / ".cache" / "posttrain" / "models")
     model, info = models.load_model(
-        model_dir, family=spec.model.family, mesh=mesh, dtype=param_dtype
+        model_dir,
+        family=spec.model.family,
+        mesh=mesh,
+        dtype=compute if spec.lora else jnp.float32,
+        compute_dtype=compute,
     )
     wrt: Any = nnx.Param
     if spec.lora:

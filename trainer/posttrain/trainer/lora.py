@@ -201,7 +201,7 @@ def apply_lora(
             f"model (regex {regex!r}, full match against paths such as {', '.join(examples)}); "
             f"the default is {default_lora_targets(family)!r}"
         )
-    provider = qwix.LoraProvider(module_path=regex, rank=rank, alpha=alpha, dropout=dropout)
+    provider = _LoraProvider(module_path=regex, rank=rank, alpha=alpha, dropout=dropout)
     mesh = mesh if mesh is not None else _mesh_of(model)
     batch = int(mesh.shape.get("fsdp", 1))
     args = (
@@ -244,6 +244,24 @@ def apply_lora(
     return lora_model
 
 
+class _LoraProvider(qwix.LoraProvider):
+    """qwix's LoRA, with an adapted op's output in the dtype the op has without LoRA:
+    float32 adapters on a bfloat16 base keep the activations bfloat16 (qwix would
+    promote them to float32 at every adapted layer, and from there the whole model)."""
+
+    def dot_general(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw
+    ):
+        out = super().dot_general(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, **kw
+        )
+        return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+
+    def einsum(self, einsum_str, *operands, **kwargs):
+        out = super().einsum(einsum_str, *operands, **kwargs)
+        return out.astype(kwargs.get("preferred_element_type") or jnp.result_type(*operands))
+
+
 def _mesh_of(model: nnx.Module):
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         sharding = getattr(var.get_value(), "sharding", None)
@@ -254,8 +272,9 @@ def _mesh_of(model: nnx.Module):
 
 def _init_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh) -> jax.Array:
     """qwix's initial LoRA values: lora_a he-uniform over its fan-in, lora_b zeros; drawn
-    on the host from (seed, index) so every host draws the same and keeps its shards."""
-    shape, dtype = tuple(var.shape), np.dtype(var.get_value().dtype)
+    on the host from (seed, index) so every host draws the same and keeps its shards.
+    Float32 whatever the base's dtype: the adapters are the master weights."""
+    shape, dtype = tuple(var.shape), np.dtype(np.float32)
     if str(path[-1]).endswith("_lora_a"):
         bound = math.sqrt(6.0 / math.prod(shape[:-1]))
         rng = np.random.default_rng([seed, index])

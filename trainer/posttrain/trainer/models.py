@@ -215,7 +215,7 @@ class ModelInfo:
     model_dir: str
     hf_config: dict  # the (text) config.json used, as written by save_hf
     config: Any  # the Tunix ModelConfig
-    dtype: Any
+    dtype: Any  # of the loaded params
     num_layers: int
     vocab_size: int
     hidden_size: int
@@ -227,6 +227,7 @@ class ModelInfo:
     hf_prefix: str = "model."  # prefix of the decoder's tensors in the checkpoint
     layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    compute_dtype: Any = None  # of the forward pass (see compute_view)
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
@@ -292,14 +293,21 @@ def _layer_types(hf: dict, family: str, n: int) -> tuple[str, ...]:
     return ("full_attention",) * n
 
 
-def build_config(family: str, hf: dict, dtype: Any = jnp.float32) -> tuple[Any, dict]:
-    """Tunix ``ModelConfig`` for ``family`` from a HF config dict.
+def build_config(
+    family: str, hf: dict, dtype: Any = jnp.float32, compute_dtype: Any = None
+) -> tuple[Any, dict]:
+    """Tunix ``ModelConfig`` for ``family`` from a HF config dict, params in ``dtype``.
+
+    ``compute_dtype`` (default ``dtype``) is the dtype of the forward pass: Qwen's config
+    says it (its layers cast params and inputs to it); the other families compute in the
+    dtype of what they are given, so ``compute_view`` casts their params.
 
     Returns (ModelConfig, extras) where extras holds what the Tunix config cannot say
     (RoPE inverse frequencies, per-layer attention types).
     """
     if family not in FAMILIES:
         raise ValueError(f"spec.model.family: {family!r} is not one of {', '.join(FAMILIES)}")
+    compute_dtype = dtype if compute_dtype is None else compute_dtype
     n = int(hf["num_hidden_layers"])
     d = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
@@ -343,13 +351,13 @@ def build_config(family: str, hf: dict, dtype: Any = jnp.float32) -> tuple[Any, 
             if scaling:
                 raise _unsupported(family, f"rope scaling {scaling}")
             cfg = qwen2_lib.ModelConfig(
-                **common, use_tied_embedding=tie, dtype=dtype, param_dtype=dtype
+                **common, use_tied_embedding=tie, dtype=compute_dtype, param_dtype=dtype
             )
         else:
             if hf.get("num_experts"):
                 raise _unsupported(family, "mixture of experts")
             cfg = qwen3_lib.ModelConfig(
-                **common, use_tied_embedding=tie, dtype=dtype, param_dtype=dtype
+                **common, use_tied_embedding=tie, dtype=compute_dtype, param_dtype=dtype
             )
             extras["rope_inv_freq"] = tuple(
                 float(x) for x in rope_inv_freq(theta, head_dim, scaling)
@@ -449,6 +457,7 @@ def _model_class(family: str):
 
 def _configure(model: nnx.Module, info: ModelInfo, extras: dict) -> None:
     """Static settings the Tunix constructor cannot take (set on the abstract model)."""
+    model.posttrain_compute_dtype = info.compute_dtype
     if "rope_inv_freq" in extras:
         model.posttrain_rope_inv_freq = extras["rope_inv_freq"]
     if info.family == "gemma3":  # Tunix hard-codes a 5 local : 1 global pattern
@@ -737,7 +746,11 @@ def _np_dtype(dtype: Any) -> np.dtype:
 
 
 def model_info(
-    model_dir: str | os.PathLike, *, family: str = "auto", dtype: Any = jnp.float32
+    model_dir: str | os.PathLike,
+    *,
+    family: str = "auto",
+    dtype: Any = jnp.float32,
+    compute_dtype: Any = None,
 ) -> tuple[ModelInfo, dict]:
     """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights."""
     model_dir = Path(model_dir)
@@ -746,7 +759,8 @@ def model_info(
     if family not in FAMILIES:
         raise ValueError(f"spec.model.family: {family!r} is not one of auto, {', '.join(FAMILIES)}")
     hf = _text_config(read_hf_config(model_dir))
-    config, extras = build_config(family, hf, dtype)
+    compute_dtype = dtype if compute_dtype is None else compute_dtype
+    config, extras = build_config(family, hf, dtype, compute_dtype)
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     info = ModelInfo(
         family=family,
@@ -764,6 +778,7 @@ def model_info(
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.startswith("gemma"))),
         layer_types=extras["layer_types"],
         eos_token_ids=_eos_ids(model_dir, hf),
+        compute_dtype=jnp.dtype(compute_dtype),
     )
     return info, extras
 
@@ -786,14 +801,16 @@ def load_model(
     family: str = "auto",
     mesh=None,
     dtype: Any = jnp.float32,
+    compute_dtype: Any = None,
 ) -> tuple[nnx.Module, ModelInfo]:
-    """Loads a HF safetensors checkpoint into the family's Tunix nnx model.
+    """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
+    ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
 
     Each parameter is created with ``jax.make_array_from_callback`` on ``mesh`` (default:
     one device) with the sharding Tunix annotates (axes that do not divide a dimension
     are dropped for it); every callback reads only its block from the safetensors files.
     """
-    info, extras = model_info(model_dir, family=family, dtype=dtype)
+    info, extras = model_info(model_dir, family=family, dtype=dtype, compute_dtype=compute_dtype)
     mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
     reader = _SafetensorsDir(Path(model_dir))
     try:
@@ -862,9 +879,26 @@ def causal_mask(input_mask: jax.Array) -> jax.Array:
     return causal[None] & input_mask[:, None, :].astype(jnp.bool_)
 
 
+def compute_view(model: nnx.Module) -> nnx.Module:
+    """``model`` as its forward pass should see it: float params held in another dtype
+    than the model's compute dtype (float32 master weights of a bfloat16 run, float32
+    LoRA adapters) cast to it. Called inside a traced function, so gradients flow back
+    to the params in their own dtype; ``model`` itself when there is nothing to cast."""
+    dtype = getattr(model, "posttrain_compute_dtype", None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def other(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+
+    if dtype is None or not any(other(x) for x in jax.tree.leaves(params)):
+        return model
+    params = jax.tree.map(lambda x: x.astype(dtype) if other(x) else x, params)
+    return nnx.merge(graphdef, params, rest)
+
+
 @nnx.jit
 def _forward(model, tokens, positions, mask):
-    logits, _ = model(tokens, positions, None, mask)
+    logits, _ = compute_view(model)(tokens, positions, None, mask)
     return logits.astype(jnp.float32)
 
 
@@ -884,6 +918,8 @@ def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any =
     """An empty KV cache in the layout Tunix's attention layers update."""
     cfg = model.config
     if dtype is None:
+        dtype = getattr(model, "posttrain_compute_dtype", None)
+    if dtype is None:
         dtype = model.embedder.input_embedding.get_value().dtype
     shape = (batch_size, cache_size, cfg.num_kv_heads, cfg.head_dim)
     return {
@@ -898,7 +934,7 @@ def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any =
 
 @nnx.jit
 def _greedy_step(model, tokens, positions, cache, mask):
-    logits, cache = model(tokens, positions, cache, mask)
+    logits, cache = compute_view(model)(tokens, positions, cache, mask)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
 
@@ -1138,6 +1174,7 @@ __all__ = [
     "abstract_model",
     "build_config",
     "causal_mask",
+    "compute_view",
     "detect_family",
     "forward",
     "greedy_generate",

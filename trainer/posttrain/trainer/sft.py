@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.trainer import models
+
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
     """[B, L] segments -> [B, L, L] causal mask within each example; a padding token
@@ -29,9 +31,12 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Summed NLL over target tokens, and the number of target tokens."""
+    """Summed NLL over target tokens, and the number of target tokens (the forward in the
+    model's compute dtype, the loss in float32)."""
     ids = batch["input_ids"]
-    logits, _ = model(ids, batch["positions"], None, attention_mask(batch["segment_ids"]))
+    logits, _ = models.compute_view(model)(
+        ids, batch["positions"], None, attention_mask(batch["segment_ids"])
+    )
     logits = logits[:, :-1].astype(jnp.float32)
     targets = ids[:, 1:]
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
