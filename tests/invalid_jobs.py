@@ -157,6 +157,15 @@ CASES: list[Case] = [
         "needs pattern",
     ),
     Case(
+        "length-penalty-without-target",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {"rewards": [{"type": "lengthPenalty"}]}),
+        ),
+        "spec.grpo.rewards[0].targetLength",
+        "needs targetLength",
+    ),
+    Case(
         "reward-function-not-import-path",
         _all(
             _set("spec.technique", "grpo"),

@@ -262,3 +262,32 @@ def test_missing_column_is_a_user_error(model_dir, tmp_path):
     assert not (tmp_path / "out" / "checkpoints").exists() or not any(
         (tmp_path / "out" / "checkpoints").iterdir()
     )
+
+
+def test_hf_source_fetches_only_what_the_trainer_reads(monkeypatch, tmp_path):
+    """hf:// asks the Hub for weights, configs and tokenizer files, not every copy of the
+    model a repository holds (no network here: the download itself is replaced)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from posttrain.trainer import loop
+
+    calls = []
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert loop.local_model_dir("hf://org/model", tmp_path) == str(tmp_path)
+    ((repo, kwargs),) = calls
+    assert repo == "org/model" and kwargs["cache_dir"] == str(loop.HF_CACHE)
+
+    def fetched(name):
+        return any(fnmatch.fnmatch(name, p) for p in kwargs["allow_patterns"])
+
+    wanted = ["config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json"]
+    wanted += ["tokenizer.json", "tokenizer.model", "chat_template.jinja", "adapter_config.json"]
+    assert all(fetched(n) for n in wanted)
+    assert not any(fetched(n) for n in ["pytorch_model.bin", "model.gguf", "flax_model.msgpack"])

@@ -1,11 +1,13 @@
 """Multi-host training on one machine: 2 processes x 2 CPU devices with jax.distributed,
 configured through the same environment variables the renderer puts into JobSet pods,
-match the loss curve of 1 process x 4 devices. The 2 processes write their checkpoints
-to gs:// (a real GCS-compatible server), and resume from there bitwise identically."""
+match the loss curve of 1 process x 4 devices. The 2 processes read the model from and
+write their checkpoints to gs:// (a real GCS-compatible server), and resume from there
+bitwise identically."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,7 +31,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(tmp: Path, model: Path, out: Path | str) -> Path:
+def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8) -> Path:
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",
@@ -38,7 +40,12 @@ def _job(tmp: Path, model: Path, out: Path | str) -> Path:
             "model": {"source": str(model), "dtype": "float32"},
             "lora": {"rank": 4, "alpha": 8},
             "data": {"source": str(ROOT / "examples/data/chat-sft.jsonl"), "maxLength": 64},
-            "training": {"steps": 6, "batchSize": 8, "learningRate": 0.01, "logEverySteps": 1},
+            "training": {
+                "steps": 6,
+                "batchSize": batch_size,
+                "learningRate": 0.01,
+                "logEverySteps": 1,
+            },
             "checkpoint": {"everySteps": 3},
             "output": {"uri": str(out)},
         },
@@ -89,10 +96,15 @@ def test_two_processes_match_one(tmp_path: Path):
     model = make_tiny_llama(tmp_path / "model")
     with gcs_bucket("ptmulti") as bucket:
         single = _job(tmp_path, model, tmp_path / "single")
+        # The 2 hosts read the model from gs:// too, each only the blocks it holds.
+        storage.upload_dir(model, f"{bucket}/model")
         multi_uri = f"{bucket}/multi"
-        multi = _job(tmp_path, model, multi_uri)
+        multi = _job(tmp_path, f"{bucket}/model", multi_uri)
         logs = _finish([_run(single, _env(4)), *_two_hosts(multi)])
         assert "process 1 of 2" in logs[2]
+        for log in logs[1:]:  # each host fetched its rows of the weights, none twice
+            fetched, total = map(int, re.search(r"fetched (\d+) of the (\d+) bytes", log).groups())
+            assert fetched < total, log
         multi_out = storage.download_dir(multi_uri, tmp_path / "multi")
         a = scalars(tmp_path / "single" / "tensorboard")["train/loss"]
         b = scalars(multi_out / "tensorboard")["train/loss"]
@@ -109,3 +121,13 @@ def test_two_processes_match_one(tmp_path: Path):
         assert all("resumed from checkpoint step 3" in log for log in logs), logs
         again = storage.read_bytes(f"{multi_uri}/hf/adapter_model.safetensors")
         assert again == exported
+
+
+def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path):
+    model = make_tiny_llama(tmp_path / "model")
+    job = _job(tmp_path, model, tmp_path / "odd", batch_size=6)  # 6 rows, 4 devices
+    procs = _two_hosts(job)
+    for proc in procs:
+        log = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 65, log
+        assert "spec.training.batchSize: 6 rows per step do not split over the 4 devices" in log

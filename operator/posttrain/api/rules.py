@@ -139,6 +139,12 @@ REWARD_RULES: list[Rule] = [
         lambda r: r.type != "regexFormat" or r.pattern is not None,
         "a regexFormat reward needs pattern",
     ),
+    Rule(
+        "targetLength",
+        "self.type != 'lengthPenalty' || has(self.targetLength)",
+        lambda r: r.type != "lengthPenalty" or r.target_length is not None,
+        "a lengthPenalty reward needs targetLength (tokens)",
+    ),
 ]
 
 

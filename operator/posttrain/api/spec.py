@@ -189,7 +189,9 @@ class TrainingSpec(KubeModel):
     """Number of optimizer steps."""
 
     batch_size: int = Field(default=8, ge=1, le=1_000_000)
-    """Global batch size in sequences per optimizer step (split across hosts)."""
+    """Global batch size per optimizer step, split across hosts: sequences for sft,
+    dpo and distill (a preference pair counts once), prompts for grpo (each sampled
+    grpo.numGenerations times)."""
 
     gradient_accumulation: int = Field(default=1, ge=1, le=4096)
     """Micro-batches per optimizer step; batchSize must divide by it."""

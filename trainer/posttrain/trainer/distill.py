@@ -127,12 +127,12 @@ def make_train_step(wrt: Any, temperature: float, alpha: float, accumulation: in
     return nnx.jit(step, donate_argnames=("optimizer",))
 
 
-def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, cache: Path):
+def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, scratch: Path):
     """spec.distill.teacher on the mesh; its vocabulary must be the student's."""
     teacher_spec = spec.distill.teacher
-    teacher_dir = loop.local_model_dir(teacher_spec.source, cache)
-    teacher, info = models.load_model(
-        teacher_dir,
+    teacher, info = loop.load_model_source(
+        teacher_spec.source,
+        scratch,
         family=teacher_spec.family,
         mesh=mesh,
         dtype=loop.DTYPES[teacher_spec.dtype],
@@ -162,9 +162,7 @@ def train(
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
     policy = loop.load_policy(spec, mesh, scratch)
-    teacher, _ = load_teacher(
-        spec, policy.info, mesh, Path.home() / ".cache" / "posttrain" / "models"
-    )
+    teacher, _ = load_teacher(spec, policy.info, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
     loader = data.build_loader(
         spec, tokenizer, process_index=process.process_id, process_count=process.num_processes

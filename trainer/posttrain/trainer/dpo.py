@@ -214,6 +214,7 @@ def train(
             reference = "model"
             ref_model, _ = models.load_model(
                 policy.model_dir,
+                weights=loop.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=mesh,
                 dtype=loop.DTYPES[spec.model.dtype],

@@ -65,35 +65,62 @@ class StopFlag:
         return self.event.is_set()
 
 
-def local_model_dir(source: str, cache: Path) -> str:
-    """A local directory holding the model: the path itself, or a copy of gs:// / hf://."""
+HF_CACHE = Path.home() / ".cache" / "posttrain" / "models"
+# What the trainer reads of an hf:// repository: safetensors weights (or a PEFT adapter),
+# configs and tokenizer files; not the PyTorch, GGUF or ONNX copies many repositories hold.
+HF_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+def local_model_dir(source: str, scratch: Path, *, weights: bool = True) -> str:
+    """A local directory holding a model or adapter: the path itself, a copy of a gs://
+    prefix under this run's `scratch` (without its ``*.safetensors`` files unless
+    `weights`: the loader reads its blocks of those from gs:// directly), or an hf://
+    repository in the Hugging Face cache."""
     if storage.is_gcs(source):
-        target = cache / source.removeprefix("gs://").replace("/", "_")
-        if not (target / "config.json").exists():
-            storage.download_dir(source, target)
+        target = scratch / "sources" / source.removeprefix("gs://").replace("/", "_")
+        storage.download_dir(source, target, skip=() if weights else (".safetensors",))
         return str(target)
     if source.startswith("hf://"):
         try:
             from huggingface_hub import snapshot_download
         except ImportError as e:
             raise ValueError("spec.model.source: hf:// needs the huggingface_hub package") from e
-        return snapshot_download(source.removeprefix("hf://"), cache_dir=str(cache))
+        return snapshot_download(
+            source.removeprefix("hf://"), cache_dir=str(HF_CACHE), allow_patterns=HF_FILES
+        )
     if not Path(source).is_dir():
         raise FileNotFoundError(f"spec.model.source: {source} is not a directory")
     return source
 
 
+def load_model_source(source: str, scratch: Path, **kwargs: Any) -> tuple[nnx.Module, Any]:
+    """models.load_model of a spec's model source (a path, gs:// or hf://); on gs:// each
+    host fetches only the blocks of the weights its devices hold."""
+    model_dir = local_model_dir(source, scratch, weights=False)
+    return models.load_model(model_dir, weights=weights_uri(source), **kwargs)
+
+
+def weights_uri(source: str) -> str | None:
+    """Where load_model reads the weights of `source` when not from its local copy."""
+    return source if storage.is_gcs(source) else None
+
+
 def _global_batch(
     batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh, keys: tuple[str, ...] = BATCH_KEYS
 ) -> dict[str, jax.Array]:
-    """Per-host rows -> global arrays, batch dimension sharded over every device."""
+    """Per-host rows -> global arrays, batch dimension sharded over every device (one
+    process may replicate a batch that does not divide its devices; several cannot)."""
     devices = mesh.devices.size
     rows = batch[keys[0]].shape[0] * jax.process_count()
-    spec = (
-        jax.sharding.PartitionSpec(("fsdp", "tp"))
-        if rows % devices == 0
-        else jax.sharding.PartitionSpec()
-    )
+    if rows % devices == 0:
+        spec = jax.sharding.PartitionSpec(("fsdp", "tp"))
+    elif jax.process_count() == 1:
+        spec = jax.sharding.PartitionSpec()
+    else:
+        raise ValueError(
+            f"spec.training.batchSize: {rows} rows per step do not split over the {devices} "
+            f"devices of {jax.process_count()} hosts; use a multiple of {devices}"
+        )
     sharding = jax.sharding.NamedSharding(mesh, spec)
     return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
 
@@ -193,9 +220,9 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
     # weights the optimizer updates and checkpoints hold): every weight of a full
     # fine-tune, the adapters of LoRA (apply_lora), whose frozen base stays in model.dtype.
     compute = DTYPES[spec.model.dtype]
-    model_dir = local_model_dir(spec.model.source, Path.home() / ".cache" / "posttrain" / "models")
-    model, info = models.load_model(
-        model_dir,
+    model, info = load_model_source(
+        spec.model.source,
+        scratch,
         family=spec.model.family,
         mesh=mesh,
         dtype=compute if spec.lora else jnp.float32,
@@ -212,11 +239,9 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             seed=spec.training.seed,
         )
         if spec.lora.restore_from:
-            lora.load_peft_adapter(
-                model, local_model_dir(spec.lora.restore_from, scratch / "adapter")
-            )
+            lora.load_peft_adapter(model, local_model_dir(spec.lora.restore_from, scratch))
         wrt = nnx.LoRAParam
-    return Policy(model, info, wrt, model_dir)
+    return Policy(model, info, wrt, info.model_dir)
 
 
 def run_steps(

@@ -47,6 +47,9 @@ from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from posttrain.trainer import storage
+from posttrain.trainer.gcs_safetensors import GcsSafetensors
+
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -645,20 +648,26 @@ def param_maps(info: ModelInfo) -> list[ParamMap]:
 
 
 class _SafetensorsDir:
-    """Tensor name -> lazy slice over all ``*.safetensors`` files of a directory."""
+    """Tensor name -> lazy slice over all ``*.safetensors`` files of a directory (local, or
+    gs:// read with ranged requests)."""
 
-    def __init__(self, model_dir: Path):
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({model_dir / f for f in weight_map.values()})
+    def __init__(self, model_dir: str):
+        index = storage.join(model_dir, "model.safetensors.index.json")
+        if storage.exists(index):
+            weight_map = json.loads(storage.read_text(index))["weight_map"]
+            files = sorted({storage.join(model_dir, f) for f in weight_map.values()})
         else:
-            files = sorted(
-                f for f in model_dir.glob("*.safetensors") if f.name != "adapter_model.safetensors"
-            )
+            files = [
+                f
+                for f in storage.list_uri(model_dir)
+                if f.endswith(".safetensors") and storage.basename(f) != "adapter_model.safetensors"
+            ]
         if not files:
             raise FileNotFoundError(f"spec.model.source: no *.safetensors files in {model_dir}")
-        self._handles = [safe_open(str(f), framework="numpy") for f in files]
+        self._handles = [
+            GcsSafetensors(f) if storage.is_gcs(f) else safe_open(f, framework="numpy")
+            for f in files
+        ]
         self._where: dict[str, Any] = {}
         for handle in self._handles:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
@@ -667,6 +676,13 @@ class _SafetensorsDir:
 
     def keys(self) -> set[str]:
         return set(self._where)
+
+    def fetched(self) -> tuple[int, int] | None:
+        """(bytes fetched, total bytes) of the files on gs://; None for local files."""
+        remote = [h for h in self._handles if isinstance(h, GcsSafetensors)]
+        if not remote:
+            return None
+        return sum(h.bytes_read for h in remote), sum(h.size for h in remote)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.get(name).get_shape())
@@ -802,6 +818,7 @@ def load_model(
     mesh=None,
     dtype: Any = jnp.float32,
     compute_dtype: Any = None,
+    weights: str | None = None,
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
@@ -809,10 +826,12 @@ def load_model(
     Each parameter is created with ``jax.make_array_from_callback`` on ``mesh`` (default:
     one device) with the sharding Tunix annotates (axes that do not divide a dimension
     are dropped for it); every callback reads only its block from the safetensors files.
+    ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
+    blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
     """
     info, extras = model_info(model_dir, family=family, dtype=dtype, compute_dtype=compute_dtype)
     mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
-    reader = _SafetensorsDir(Path(model_dir))
+    reader = _SafetensorsDir(str(weights or model_dir))
     try:
         info.hf_prefix = _detect_prefix(reader.keys())
         model = abstract_model(info, extras, mesh)
@@ -862,6 +881,9 @@ def load_model(
             new_flat[path] = var.copy(array, **metadata)
         state = nnx.from_flat_state(new_flat)
         loaded = nnx.merge(graphdef, state)
+        fetched = reader.fetched()
+        if fetched:
+            log.info("fetched %d of the %d bytes of %s's weights", *fetched, weights)
     finally:
         reader.close()
     return loaded, info

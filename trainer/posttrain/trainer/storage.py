@@ -96,7 +96,8 @@ def gcs_client() -> Any:
     return _client_for(os.environ.get("STORAGE_EMULATOR_HOST"))
 
 
-def _blob(uri: str) -> Any:
+def blob(uri: str) -> Any:
+    """The google.cloud.storage Blob of a gs:// object URI."""
     bucket, path = split_gcs(uri)
     if not path:
         raise StorageError(f"{uri}: names a bucket, not an object")
@@ -121,7 +122,7 @@ def exists(uri: str | os.PathLike[str]) -> bool:
     bucket, path = split_gcs(uri)
     if not path:
         return gcs_client().bucket(bucket).exists()
-    return _blob(uri).exists() or _gcs_prefix_has_objects(uri)
+    return blob(uri).exists() or _gcs_prefix_has_objects(uri)
 
 
 def is_dir(uri: str | os.PathLike[str]) -> bool:
@@ -134,7 +135,7 @@ def is_dir(uri: str | os.PathLike[str]) -> bool:
         return True
     if uri.endswith("/"):
         return _gcs_prefix_has_objects(uri)
-    return not _blob(uri).exists() and _gcs_prefix_has_objects(uri)
+    return not blob(uri).exists() and _gcs_prefix_has_objects(uri)
 
 
 def list_uri(uri: str | os.PathLike[str], *, recursive: bool = False) -> list[str]:
@@ -169,10 +170,10 @@ def open_uri(uri: str | os.PathLike[str], mode: str = "rb", **kwargs: Any) -> It
         with open(uri, mode, **kwargs) as f:
             yield f
         return
-    blob = _blob(uri)
-    if "r" in mode and not blob.exists():
+    obj = blob(uri)
+    if "r" in mode and not obj.exists():
         raise FileNotFoundError(f"{uri}: no such object")
-    with blob.open(mode, **kwargs) as f:
+    with obj.open(mode, **kwargs) as f:
         yield f
 
 
@@ -184,7 +185,7 @@ def read_bytes(uri: str | os.PathLike[str]) -> bytes:
     from google.api_core import exceptions as gexc
 
     try:
-        return _blob(uri).download_as_bytes()
+        return blob(uri).download_as_bytes()
     except gexc.NotFound as e:
         raise FileNotFoundError(f"{uri}: no such object") from e
 
@@ -204,7 +205,7 @@ def write_bytes(uri: str | os.PathLike[str], data: bytes) -> None:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         return
-    _blob(uri).upload_from_string(data)
+    blob(uri).upload_from_string(data)
 
 
 def write_text(uri: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
@@ -226,10 +227,10 @@ def delete(uri: str | os.PathLike[str], *, recursive: bool = False) -> None:
         return
     targets = list_uri(uri, recursive=True) if recursive else []
     bucket, path = split_gcs(uri)
-    if path and _blob(uri).exists():
+    if path and blob(uri).exists():
         targets.append(uri)
     for t in targets:
-        _blob(t).delete()
+        blob(t).delete()
 
 
 def move(uri: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -240,26 +241,30 @@ def move(uri: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         return
     root = uri.rstrip("/")
     for f in list_uri(root, recursive=True) or [root]:
-        target = _blob(join(dst, f[len(root) + 1 :])) if f != root else _blob(dst)
-        source = _blob(f)
+        target = blob(join(dst, f[len(root) + 1 :])) if f != root else blob(dst)
+        source = blob(f)
         source.bucket.copy_blob(source, target.bucket, target.name)
         source.delete()
 
 
-def download_dir(uri: str, local_dir: str | os.PathLike[str]) -> Path:
-    """Copy every file under uri (recursively) into local_dir; returns local_dir.
-
-    A local uri is copied too, so callers need not special-case it.
+def download_dir(
+    uri: str, local_dir: str | os.PathLike[str], *, skip: tuple[str, ...] = ()
+) -> Path:
+    """Copy every file under uri (recursively) into local_dir, except names ending with
+    one of `skip`; returns local_dir. A local uri is copied too, so callers need not
+    special-case it.
     """
     local = Path(local_dir)
     local.mkdir(parents=True, exist_ok=True)
     root = str(uri).rstrip("/")
     for f in list_uri(root, recursive=True):
+        if skip and f.endswith(skip):
+            continue
         rel = f[len(root) + 1 :]
         dst = local / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if is_gcs(f):
-            _blob(f).download_to_filename(str(dst))
+            blob(f).download_to_filename(str(dst))
         else:
             shutil.copyfile(f, dst)
     return local
@@ -271,7 +276,7 @@ def upload_dir(local_dir: str | os.PathLike[str], uri: str) -> None:
     for f in sorted(p for p in root.rglob("*") if p.is_file()):
         dst = join(uri, f.relative_to(root).as_posix())
         if is_gcs(dst):
-            _blob(dst).upload_from_filename(str(f))
+            blob(dst).upload_from_filename(str(f))
         else:
             Path(dst).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dst)
