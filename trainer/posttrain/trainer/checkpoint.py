@@ -41,7 +41,7 @@ class Checkpoints:
 
     def __init__(self, directory: str, keep: int, asynchronous: bool = True):
         if storage.is_gcs(directory):
-            storage.follow_emulator()
+            storage.configure_gcs_clients()
         else:
             directory = os.path.abspath(directory)  # Orbax takes absolute paths only
         self.directory = directory

@@ -4,7 +4,7 @@ Data loading, checkpoints and the Hugging Face export all go through these funct
 so every output location can be a local path, a mounted volume or Cloud Storage.
 gs:// goes through google-cloud-storage here; Orbax checkpoints reach gs:// through
 tensorstore (arrays) and gcsfs (directories). STORAGE_EMULATOR_HOST points all three at
-a GCS-compatible emulator (tests use a local fake-gcs-server): see `follow_emulator`.
+a GCS-compatible emulator (tests use a local fake-gcs-server): see `configure_gcs_clients`.
 Credentials come from the environment (Workload Identity,
 GOOGLE_APPLICATION_CREDENTIALS), never from this module.
 """
@@ -61,7 +61,7 @@ def basename(uri: str) -> str:
 # ---------------------------------------------------------------------------- gcs
 
 
-def follow_emulator() -> None:
+def configure_gcs_clients() -> None:
     """Configure every gs:// client in the process for GCS semantics, and for the emulator
     at STORAGE_EMULATOR_HOST when it is set.
 
