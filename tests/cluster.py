@@ -208,6 +208,60 @@ class Cluster:
             )
         return names
 
+    def tpu_queue(
+        self, namespace: str, name: str, *, topology: str = "2x4", chips: int = 8
+    ) -> list[dict[str, Any]]:
+        """A Kueue LocalQueue `name` in `namespace`, fed by a new ClusterQueue with quota
+        for `chips` TPU v6e chips of one slice topology (a new ResourceFlavor). Returns the
+        objects (ResourceFlavor, ClusterQueue, LocalQueue); remove them with delete_all."""
+        kueue = "kueue.x-k8s.io/v1beta2"
+        flavor, cq = unique_name(f"v6e-{topology}", 20), unique_name("tpu-cq", 20)
+        labels = {
+            "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+            "cloud.google.com/gke-tpu-topology": topology,
+        }
+        quota = {"name": "google.com/tpu", "nominalQuota": chips}
+        objects = [
+            {
+                "apiVersion": kueue,
+                "kind": "ResourceFlavor",
+                "metadata": {"name": flavor},
+                "spec": {"nodeLabels": labels},
+            },
+            {
+                "apiVersion": kueue,
+                "kind": "ClusterQueue",
+                "metadata": {"name": cq},
+                "spec": {
+                    "namespaceSelector": {},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": ["google.com/tpu"],
+                            "flavors": [{"name": flavor, "resources": [quota]}],
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": kueue,
+                "kind": "LocalQueue",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"clusterQueue": cq},
+            },
+        ]
+        self.apply(objects)
+        return objects
+
+    def delete_all(self, objects: Sequence[dict[str, Any]]) -> None:
+        """Delete `objects` (newest first), ignoring those already gone; does not wait."""
+        for obj in reversed(objects):
+            namespace = obj["metadata"].get("namespace")
+            self.kubectl(
+                "delete", obj["kind"], obj["metadata"]["name"],
+                *(["-n", namespace] if namespace else []),
+                "--ignore-not-found", "--wait=false", check=False,
+            )  # fmt: skip
+
     def create_tpu_slice(
         self,
         pool: str,

@@ -37,48 +37,6 @@ def owned_objects(cluster: Cluster, namespace: str, job: str) -> str:
     ).stdout.strip()  # fmt: skip
 
 
-def tpu_queue(cluster: Cluster, namespace: str, name: str, topology: str, chips: int) -> list:
-    """A Kueue LocalQueue `name` in `namespace` with quota for `chips` TPU chips of one
-    topology; returns the objects, for deletion."""
-    kueue = "kueue.x-k8s.io/v1beta2"
-    flavor, cq = unique_name(f"v6e-{topology}", 20), unique_name("guide", 20)
-    labels = {
-        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-        "cloud.google.com/gke-tpu-topology": topology,
-    }
-    quota = {"name": "google.com/tpu", "nominalQuota": chips}
-    objects = [
-        {
-            "apiVersion": kueue,
-            "kind": "ResourceFlavor",
-            "metadata": {"name": flavor},
-            "spec": {"nodeLabels": labels},
-        },
-        {
-            "apiVersion": kueue,
-            "kind": "ClusterQueue",
-            "metadata": {"name": cq},
-            "spec": {
-                "namespaceSelector": {},
-                "resourceGroups": [
-                    {
-                        "coveredResources": ["google.com/tpu"],
-                        "flavors": [{"name": flavor, "resources": [quota]}],
-                    }
-                ],
-            },
-        },
-        {
-            "apiVersion": kueue,
-            "kind": "LocalQueue",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"clusterQueue": cq},
-        },
-    ]
-    cluster.apply(objects)
-    return objects
-
-
 def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Path, request) -> None:
     """docs/user-guide.md "On a cluster" with the guide's own job ("A job, field by
     field") as job.yaml, unchanged. The cluster gets what that job asks for: a v6e-16
@@ -86,7 +44,7 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
     `hf-token`. kubectl's default namespace is the test's."""
     (job,) = [b for b in blocks("docs/user-guide.md") if b.lang == "yaml"]
     nodes = cluster.create_tpu_slice(unique_name("v6e-4x4", 20), topology="4x4", hosts=4)
-    queue = tpu_queue(cluster, namespace, "team-a", "4x4", chips=16)
+    queue = cluster.tpu_queue(namespace, "team-a", topology="4x4", chips=16)
     cluster.kubectl(
         "create", "secret", "generic", "hf-token", "--from-literal=token=x", "-n", namespace
     )
@@ -110,9 +68,7 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
     finally:
         operator.stop()
         cluster.delete_nodes(nodes)
-        for obj in reversed(queue):
-            cluster.kubectl("delete", obj["kind"], obj["metadata"]["name"], "-n", namespace,
-                            "--ignore-not-found", check=False)  # fmt: skip
+        cluster.delete_all(queue)
         drop_chart_identity(cluster, release)
         cluster.delete_namespace(release)
     assert apply.stdout.strip() == "posttrainjob.posttrain.dev/qwen3-lora created"

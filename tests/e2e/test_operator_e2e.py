@@ -173,45 +173,8 @@ def test_suspend_and_resume(cluster: Cluster, namespace: str, operator):
 
 
 def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, operator):
-    from tests.cluster import unique_name
-
-    flavor, cq = unique_name("v6e-2x4"), unique_name("tpu-cq")
-    kueue = "kueue.x-k8s.io/v1beta2"
-    labels = {
-        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-        "cloud.google.com/gke-tpu-topology": "2x4",
-    }
-    quota = {"name": "google.com/tpu", "nominalQuota": 0}  # nothing fits until the quota grows
-    cluster.apply(
-        [
-            {
-                "apiVersion": kueue,
-                "kind": "ResourceFlavor",
-                "metadata": {"name": flavor},
-                "spec": {"nodeLabels": labels},
-            },
-            {
-                "apiVersion": kueue,
-                "kind": "ClusterQueue",
-                "metadata": {"name": cq},
-                "spec": {
-                    "namespaceSelector": {},
-                    "resourceGroups": [
-                        {
-                            "coveredResources": ["google.com/tpu"],
-                            "flavors": [{"name": flavor, "resources": [quota]}],
-                        }
-                    ],
-                },
-            },
-            {
-                "apiVersion": kueue,
-                "kind": "LocalQueue",
-                "metadata": {"name": "tpu", "namespace": namespace},
-                "spec": {"clusterQueue": cq},
-            },
-        ]
-    )
+    queue = cluster.tpu_queue(namespace, "tpu", chips=0)  # nothing fits until the quota grows
+    cq = queue[1]["metadata"]["name"]
     try:
         tpu_job(cluster, namespace, "queued", "posttrain-trainer:slow", queue="tpu")
         wait_for(
@@ -241,6 +204,4 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
         )
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "localqueue", "tpu", "-n", namespace, check=False)
-        cluster.kubectl("delete", "clusterqueue", cq, check=False)
-        cluster.kubectl("delete", "resourceflavor", flavor, check=False)
+        cluster.delete_all(queue)
