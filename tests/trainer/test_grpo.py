@@ -38,26 +38,6 @@ def ends_with_digit(prompts, completions, answer, **unused):
     return [1.0 if c.strip()[-1:].isdigit() else 0.0 for c in completions]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """A persistent JAX compilation cache for this module: runs that compile the same
-    programs again (a resumed run, a second rollout engine, the other process) load them
-    instead. Restored afterwards."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in names}
-    path = str(tmp_path_factory.mktemp("jax-cache"))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield path
-    for name, value in before.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
-
-
 @dataclass
 class Task:
     root: Path

@@ -56,7 +56,11 @@ def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8) -> 
 
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "POSTTRAIN_JOB"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_", "POSTTRAIN_JOB")) or "CACHE" in k  # keep the compile cache
+    }
     return {
         **env,
         "JAX_PLATFORMS": "cpu",
