@@ -12,4 +12,4 @@ posttrain run examples/sft-lora-smollm2-cpu.yaml
 echo
 echo "done in $((SECONDS - start))s; outputs:"
 find runs/sft-lora-smollm2 -maxdepth 2 | sort | sed 's/^/  /'
-echo "TensorBoard: tensorboard --logdir runs/sft-lora-smollm2/tensorboard"
+echo "TensorBoard (not a posttrain dependency): pip install tensorboard && tensorboard --logdir runs/sft-lora-smollm2/tensorboard"

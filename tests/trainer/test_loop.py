@@ -24,7 +24,7 @@ from tiny_model import make_tiny_llama
 from posttrain.api.validate import validate
 from posttrain.trainer import storage
 from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.loop import train
+from posttrain.trainer.loop import peft_base_model_name, train
 from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
@@ -95,7 +95,7 @@ def reference(model_dir, tmp_path_factory):
     return out, result
 
 
-def test_lora_sft_learns_and_writes_outputs(reference):
+def test_lora_sft_learns_and_writes_outputs(model_dir, reference):
     out, result = reference
     losses = [result.losses[s] for s in sorted(result.losses)]
     assert result.step == 12 and len(losses) == 6
@@ -111,7 +111,32 @@ def test_lora_sft_learns_and_writes_outputs(reference):
     assert committed_steps(out) == [4, 8, 12]
     config = yaml.safe_load((out / "hf" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    # As from_pretrained takes it, from any working directory.
+    assert config["base_model_name_or_path"] == str(model_dir.resolve())
     assert any(k.endswith("lora_B.weight") for k in adapter(out))
+
+
+def test_a_finished_run_run_again_trains_and_writes_nothing(model_dir, reference, caplog):
+    out, first = reference
+    before = {f: f.stat().st_mtime_ns for f in out.rglob("*")}
+    again = run_inprocess(job_doc(model_dir, out))
+    assert again.already_finished and again.step == 12 and again.export_dir == first.export_dir
+    assert {f: f.stat().st_mtime_ns for f in out.rglob("*")} == before
+    assert f"{out} already finished at step 12" in caplog.text
+    assert "posttrain run --output DIR" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "source, name",
+    [
+        ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ("hf://org/name@v1.0", "org/name"),
+        ("gs://models/qwen3", "gs://models/qwen3"),
+        ("relative/model", str(Path("relative/model").resolve())),
+    ],
+)
+def test_peft_base_model_name_is_what_from_pretrained_takes(source, name):
+    assert peft_base_model_name(source) == name
 
 
 def test_resume_in_process_is_bitwise_identical(model_dir, reference, tmp_path):

@@ -6,11 +6,17 @@ The same function runs in a JobSet pod (`posttrain train`) and on a laptop
     checkpoints/<step>/   Orbax: trainable params, optimizer state, data position
     tensorboard/          loss, learning rate, grad norm, tokens/s
     hf/                   PEFT adapter (LoRA) or merged safetensors model
+    summary.json          written last: the finished step, final loss and export location
+
+A run whose summary.json says it reached spec.training.steps, and whose export is still
+there, is finished: running it again trains and writes nothing (see `finished_run`).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
+import json
 import logging
 import signal
 import tempfile
@@ -27,6 +33,7 @@ from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
 from posttrain.trainer import data, lora, models, optim, sft, storage
+from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.progress import Progress, StatusWriter
@@ -43,6 +50,7 @@ class Result:
     resumed_from: int | None = None
     stopped_early: bool = False
     export_dir: str | None = None
+    already_finished: bool = False  # an earlier run had finished; nothing was done
 
 
 class StopFlag:
@@ -113,7 +121,7 @@ def _global_batch(
     devices = mesh.devices.size
     rows = batch[keys[0]].shape[0] * jax.process_count()
     if rows % devices == 0:
-        spec = jax.sharding.PartitionSpec(("fsdp", "tp"))
+        spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES)
     elif jax.process_count() == 1:
         spec = jax.sharding.PartitionSpec()
     else:
@@ -181,6 +189,8 @@ def train(
     """Train the job to spec.training.steps (or until stopped), resuming if a checkpoint
     exists under output.uri/checkpoints."""
     spec = job.spec
+    if (done := finished_run(spec)) is not None:
+        return done
     if spec.technique != "sft":
         module = importlib.import_module(TECHNIQUES[str(spec.technique)])
         return module.train(job, process, show_bar=show_bar, stop=stop)
@@ -329,7 +339,56 @@ def run_steps(
         result.export_dir = _export(job, model, policy.info, scratch)
     progress.close(result.step, metrics)
     tensorboard.sync()
+    if not result.stopped_early and is_main:
+        _write_summary(spec, result, metrics)
     return result
+
+
+SUMMARY = "summary.json"
+
+
+def _write_summary(spec: Any, result: Result, metrics: dict[str, float]) -> None:
+    summary = {
+        "step": result.step,
+        "totalSteps": spec.training.steps,
+        "loss": metrics.get("loss"),
+        "export": result.export_dir,
+        "finishedAt": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    storage.write_text(storage.join(spec.output.uri, SUMMARY), json.dumps(summary, indent=2) + "\n")
+
+
+def finished_run(spec: Any) -> Result | None:
+    """The Result of an earlier run of this job that already reached spec.training.steps
+    and whose export is still in place, or None when there is training (or an export) to
+    do. Nothing is written either way."""
+    path = storage.join(spec.output.uri, SUMMARY)
+    try:
+        summary = json.loads(storage.read_text(path))
+        step, export = int(summary["step"]), summary.get("export")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: train (resuming from the checkpoints)
+    if step < spec.training.steps or (export and not storage.exists(export)):
+        return None
+    log.warning(
+        "%s already finished at step %d; its outputs are under %s. To train again, "
+        "give it a new output (posttrain run --output DIR) or remove that directory.",
+        spec.output.uri,
+        step,
+        spec.output.uri,
+    )
+    return Result(step=step, resumed_from=step, export_dir=export, already_finished=True)
+
+
+def peft_base_model_name(source: str) -> str:
+    """The model source as a user passes it to `from_pretrained`: a Hub repo id for
+    hf://org/name[@rev], a gs:// URI as written, and a local path made absolute so the
+    adapter loads from any directory."""
+    if source.startswith("hf://"):
+        return source[len("hf://") :].split("@", 1)[0]
+    if storage.is_gcs(source):
+        return source
+    return str(Path(source).expanduser().resolve())
 
 
 def _export(
@@ -343,7 +402,9 @@ def _export(
         return None
     out = OutputDir(spec.output.uri, "hf", scratch)
     if kind == "adapter":
-        lora.save_peft_adapter(model, out.local, info, base_model_name=spec.model.source)
+        lora.save_peft_adapter(
+            model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
+        )
     else:
         models.save_hf(model, out.local, info)
     if jax.process_index() == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -19,6 +20,10 @@ log = logging.getLogger("posttrain.progress")
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _shown(metrics: dict[str, float]) -> dict[str, str]:
+    return {k: f"{v:.4g}" for k, v in metrics.items()}
 
 
 class StatusWriter:
@@ -91,10 +96,20 @@ class Progress:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir, flush_secs=10)
-        if show_bar:
+        # A bar redraws itself in place, which only a terminal shows as one line; into a
+        # file or pipe the trainer logs one line per log step instead.
+        self.log_lines = show_bar and not sys.stderr.isatty()
+        if show_bar and not self.log_lines:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # mininterval=0: a step is slower than a redraw, and every step shows its own.
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=0,
+            )
 
     def eta_seconds(self, step: int) -> int | None:
         done = step - self._start_step
@@ -108,11 +123,14 @@ class Progress:
         if not self.is_main:
             return
         if self.bar is not None:
+            if log_now:  # before the update, which redraws: the bar shows this step's numbers
+                self.bar.set_postfix(_shown(metrics), refresh=False)
             self.bar.update(step - self.bar.n)
-            if log_now:
-                self.bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
         if not log_now:
             return
+        if self.log_lines:
+            shown = " ".join(f"{k}={v}" for k, v in _shown(metrics).items())
+            log.info("step %d/%d %s", step, self.total, shown)
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"train/{key}", value, step)

@@ -1,0 +1,52 @@
+"""What a user watching a run sees: the bar shows the step it is at with that step's
+numbers, and output that is not a terminal gets one log line per log step instead of
+a bar redrawn into a single long line."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from posttrain.trainer.progress import Progress
+
+pytestmark = pytest.mark.trainer
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bar_shows_the_current_steps_metrics(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = Progress(4, 0, True, None, show_bar=True)
+    progress.step(1, {"loss": 2.5}, log_now=True)
+    assert "loss=2.5" in screen.getvalue().rsplit("\r", 1)[-1]
+    progress.step(2, {"loss": 1.25}, log_now=True)
+    last = screen.getvalue().rsplit("\r", 1)[-1]
+    assert "2/4" in last and "loss=1.25" in last
+    progress.close(2, {"loss": 1.25})
+
+
+def test_without_a_terminal_each_log_step_is_one_line(monkeypatch, caplog):
+    written = io.StringIO()  # a pipe or a pod's log: not a terminal
+    monkeypatch.setattr("sys.stderr", written)
+    caplog.set_level(logging.INFO, logger="posttrain.progress")
+    progress = Progress(4, 0, True, None, show_bar=True)
+    for step in range(1, 5):
+        progress.step(step, {"loss": 1.0 / step}, log_now=step % 2 == 0)
+    progress.close(4, {"loss": 0.25})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["step 2/4 loss=0.5", "step 4/4 loss=0.25"]
+    assert written.getvalue() == ""  # no bar drawn into the log
+
+
+def test_other_processes_show_nothing(monkeypatch, caplog):
+    monkeypatch.setattr("sys.stderr", Terminal())
+    caplog.set_level(logging.INFO, logger="posttrain.progress")
+    progress = Progress(4, 0, False, None, show_bar=True)
+    progress.step(2, {"loss": 1.0}, log_now=True)
+    assert progress.bar is None and not caplog.records
