@@ -1,0 +1,73 @@
+"""Kubernetes value formats the rendered objects must satisfy: names, label values,
+resource quantities and priority class names.
+
+The regular expressions are written for both engines that use them: the API server's
+(RE2, in the CRD's `pattern`) and Python's (`fullmatch`, never `$`, which also matches
+before a trailing newline).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+# RFC 1035 label: the job's name becomes a Service and JobSet name.
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# RFC 1123 subdomain (PriorityClass, LocalQueue, Secret and PVC names).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Label values (Kueue reads the queue and the priority class from labels) are at most 63
+# characters; an RFC 1123 subdomain that short is one.
+LABEL_VALUE_MAX = 63
+# A resource quantity without a sign (requests are never negative).
+QUANTITY = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+)
+_SUFFIX = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+SYSTEM_PRIORITY_PREFIX = "system-"
+
+
+def matches(pattern: str, value: str) -> bool:
+    """`pattern` (anchored with ^...$ for RE2) matches all of `value`."""
+    return re.fullmatch(pattern.removeprefix("^").removesuffix("$"), value) is not None
+
+
+def parse_quantity(text: str) -> Decimal:
+    """The value of a Kubernetes quantity ("500m" -> 0.5, "64Gi" -> 68719476736);
+    ValueError when `text` is not one."""
+    m = re.fullmatch(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([KMGTPE]i|[numkMGTPE]?)", text)
+    try:
+        if m:
+            return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2)])
+        m = re.fullmatch(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))[eE]([+-]?[0-9]{1,3})", text)
+        if m:
+            return Decimal(m.group(1)) * Decimal(10) ** int(m.group(2))
+    except InvalidOperation:
+        pass
+    raise ValueError(f"{text!r} is not a Kubernetes quantity (like 8, 500m or 64Gi)")
+
+
+def quantity_error(text: str) -> str | None:
+    """Why `text` is not a positive resource quantity, or None."""
+    try:
+        value = parse_quantity(text)
+    except ValueError as e:
+        return str(e)
+    if value <= 0:
+        return f"{text!r} must be more than zero"
+    return None
+
+
+def priority_class_error(text: str) -> str | None:
+    if not matches(DNS_SUBDOMAIN, text):
+        return f"{text!r} is not a PriorityClass name (lowercase letters, digits, '-', '.')"
+    if text.startswith(SYSTEM_PRIORITY_PREFIX):
+        return (
+            f"{text!r} is reserved for cluster components (system-node-critical, "
+            "system-cluster-critical); training pods must not preempt them"
+        )
+    return None

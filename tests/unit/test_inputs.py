@@ -1,0 +1,189 @@
+"""The pure checks behind validation: YAML documents, user regexes, locations,
+Kubernetes values and the batch split."""
+
+import time
+from decimal import Decimal
+
+import pytest
+
+from posttrain.api import batching, documents, kube_values, locations, model_shapes, patterns
+from posttrain.api.documents import DocumentError, parse_documents
+
+
+# -- YAML documents ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ("a: é\n".encode("latin-1"), "not UTF-8"),
+        ("a: 1\n".encode("utf-16"), "not UTF-8"),
+        (b"[" * 100_000, "nest"),
+        (b"{a: " * 1000, "nested deeper than 64"),
+        (b"a: [unclosed\n", "did not find expected"),
+        (b"a: 1\n" + b"#" * documents.MAX_BYTES, "larger than 1024 KiB"),
+        (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+         b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+         b"e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 100000 values"),
+        (b"a: {<<: [1, 2]}\n", "merge key"),
+    ],
+)  # fmt: skip
+def test_documents_refused_with_a_reason(data, message):
+    with pytest.raises(DocumentError, match=message):
+        parse_documents(data)
+
+
+def test_documents_read_as_kubectl_reads_them():
+    text = b"""\
+b: &b {x: 1, y: 2}
+later: {x: 5, <<: *b}
+earlier: {<<: *b, x: 5}
+listed: {<<: [{x: 1}, {x: 2}]}
+sexagesimal: 1:30
+date: 2001-12-14
+octal: 0755
+"""
+    (doc,) = parse_documents(text)
+    assert doc["later"] == {"x": 1, "y": 2}  # the merge key stands after x: it wins
+    assert doc["earlier"] == {"x": 5, "y": 2}
+    assert doc["listed"] == {"x": 1}  # earlier maps of a merge list win
+    assert doc["sexagesimal"] == "1:30" and doc["date"] == "2001-12-14"
+    assert doc["octal"] == 493
+
+
+def test_large_documents_parse_fast():
+    text = ("labels:\n" + "".join(f"  k{i}: v\n" for i in range(40_000))).encode()
+    start = time.monotonic()
+    (doc,) = parse_documents(text)
+    assert len(doc["labels"]) == 40_000
+    assert time.monotonic() - start < 5
+
+
+# -- user regexes -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pattern,problem",
+    [
+        ("a{4294967296}", "too large"),
+        ("(" * 1000, "not a valid regular expression"),
+        ("(" * 40 + ")" * 40, "deeper than 32"),
+        ("(a+)+", "quantifier inside a repeated group"),
+        ("(?:a?){30}a{30}", "quantifier inside a repeated group"),
+        ("(x*y?)*z", "quantifier inside a repeated group"),
+        ("a{1001}", "more than 1000"),
+        ("q_proj(", "not a valid regular expression"),
+    ],
+)
+def test_dangerous_regexes_refused(pattern, problem):
+    assert problem in (patterns.regex_error(pattern) or "")
+    with pytest.raises(ValueError, match="spec.lora.targetModules"):
+        patterns.compile_user_regex(pattern, "spec.lora.targetModules")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["q_proj", r"(.*/)?(q_proj|v_proj)", r"layers/\d+/attn/q_proj", r"<answer>\s*\d+</answer>",
+     r"(ab{2})+", "a{2,1000}"],
+)  # fmt: skip
+def test_ordinary_regexes_accepted(pattern):
+    assert patterns.regex_error(pattern) is None
+
+
+# -- locations --------------------------------------------------------------------------
+P, G, F = locations.PATH, locations.GS, locations.HF
+MODEL = (P, G, F)
+
+
+@pytest.mark.parametrize(
+    "value,kinds,problem",
+    [
+        ("hf://user:TOKEN@org/name", MODEL, "hfTokenSecret"),
+        ("gs://key:secret@bucket/x", MODEL, "hfTokenSecret"),
+        ("https://u:p@host/x", MODEL, "hfTokenSecret"),
+        ("file:///models/x", MODEL, "file:// is not supported"),
+        ("s3://bucket/x", MODEL, "s3:// is not supported"),
+        ("gs:///x", MODEL, "needs a bucket"),
+        ("gs://169.254.169.254/x", MODEL, "IP address"),
+        ("gs://metadata.google.internal/x", MODEL, "google"),
+        ("hf://org/name", (P, G), "hf:// is not supported"),
+        ("/models/x", (G,), "must be gs://"),
+        ("/data/../etc/passwd", MODEL, "'..'"),
+        ("gs://bucket/a/../b", MODEL, "'..'"),
+        ("/m/\x00", MODEL, "\\x00"),
+        ("/m/\u202ex", MODEL, "\\u202e"),
+        ("/m/a b", MODEL, "a space"),
+        ("hf://org/name?revision=x", MODEL, "query string"),
+        ("hf://org", MODEL, "hf://org/name"),
+        ("mailto:x", MODEL, "not a supported scheme"),
+    ],
+)
+def test_locations_refused(value, kinds, problem):
+    assert problem in (locations.location_error(value, kinds) or "")
+
+
+@pytest.mark.parametrize(
+    "value", ["/models/tiny", "runs/sft", "gs://my-runs/q/1", "hf://Qwen/Qwen3-0.6B",
+              "hf://Qwen/Qwen3-0.6B@main", "hf://org/name@refs/pr/1", "C:relative"],
+)  # fmt: skip
+def test_locations_accepted(value):
+    assert locations.location_error(value, MODEL) is None
+
+
+@pytest.mark.parametrize(
+    "path,ok",
+    [("/outputs", True), ("/", False), ("/etc/posttrain", False), ("/outputs/../etc", False),
+     ("/var/run/secrets/kubernetes.io/serviceaccount", False), ("/proc/1", False)],
+)  # fmt: skip
+def test_mount_paths(path, ok):
+    assert (locations.mount_path_error(path) is None) == ok
+
+
+def test_image_references():
+    assert locations.image_error("us-docker.pkg.dev/p/r/trainer:1.2") is None
+    assert locations.image_error("ghcr.io/x/y@sha256:" + "a" * 64) is None
+    assert locations.image_error("localhost:5000/trainer") is None
+    assert "no scheme" in locations.image_error("https://ghcr.io/x")
+    assert "a space" in locations.image_error("x:1 --privileged")
+
+
+# -- Kubernetes values ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text,value",
+    [("8", 8), ("500m", Decimal("0.5")), ("64Gi", 64 * 2**30), ("1.5G", Decimal("1.5e9")),
+     ("1e3", 1000), (".5", Decimal("0.5"))],
+)  # fmt: skip
+def test_parse_quantity(text, value):
+    assert kube_values.parse_quantity(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-2", "0", "64GB", "1e99999", "", "8 "])
+def test_bad_quantities(text):
+    assert kube_values.quantity_error(text) is not None
+
+
+def test_priority_class_names():
+    assert kube_values.priority_class_error("batch-high") is None
+    assert "reserved" in kube_values.priority_class_error("system-node-critical")
+    assert kube_values.priority_class_error("High") is not None
+    assert not kube_values.matches(kube_values.DNS_LABEL, "adv-nl\n")
+
+
+# -- the batch split, the one rule admission and the trainer share ------------------------
+@pytest.mark.parametrize(
+    "batch,accumulation,hosts,devices,rows,problem",
+    [
+        (8, 1, 1, 8, 1, None),
+        (6, 1, 4, 16, 1, "multiple of the number of hosts (4)"),
+        (32, 16, 4, 16, 1, "per-host batch"),
+        (24, 1, 4, 16, 1, "do not split over the 16 devices"),
+        (4, 1, 4, 16, 4, None),  # GRPO: 4 prompts x 4 generations = 16 rows
+        (3, 1, 1, 8, 1, None),  # one host may replicate
+    ],
+)
+def test_batch_split(batch, accumulation, hosts, devices, rows, problem):
+    error = batching.batch_split_error(batch, accumulation, hosts, devices, rows)
+    assert (error is None) if problem is None else problem in error
+
+
+def test_hidden_sizes_from_model_names():
+    assert model_shapes.hidden_size("hf://Qwen/Qwen3-0.6B@main") == 1024
+    assert model_shapes.hidden_size("gs://m/SmolLM2-135M-Instruct") == 576
+    assert model_shapes.hidden_size("/models/Qwen3-14B") == 5120
+    assert model_shapes.hidden_size("/models/tiny") is None
