@@ -113,6 +113,20 @@ def test_immutable_fields_refused_mutable_ones_allowed(apiserver: Cluster, names
     )
     assert bad.returncode != 0
     assert "spec.model cannot change after the job is created" in bad.stderr
+    # The pods' PriorityClass is part of the JobSet's pod templates, which cannot change.
+    bad = apiserver.kubectl(
+        "patch",
+        "ptj",
+        "immutable",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"scheduling": {"priorityClass": "other"}}}),
+        check=False,
+    )
+    assert bad.returncode != 0
+    assert "spec.scheduling.priorityClass cannot change" in bad.stderr
     ok = apiserver.kubectl(
         "patch",
         "ptj",
@@ -126,7 +140,7 @@ def test_immutable_fields_refused_mutable_ones_allowed(apiserver: Cluster, names
                 "spec": {
                     "scheduling": {
                         "suspend": True,
-                        "priorityClass": "low",
+                        "workloadPriorityClass": "low",
                         "ttlSecondsAfterFinished": 60,
                     }
                 }

@@ -137,7 +137,11 @@ def test_suspend_resume_and_mutable_fields(
     wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
     patch = {
         "spec": {
-            "scheduling": {"suspend": True, "priorityClass": "low", "ttlSecondsAfterFinished": 120}
+            "scheduling": {
+                "suspend": True,
+                "workloadPriorityClass": "low",
+                "ttlSecondsAfterFinished": 120,
+            }
         }
     }
     apiserver.custom.patch_namespaced_custom_object(

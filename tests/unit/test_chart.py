@@ -361,6 +361,7 @@ def test_deployment_runs_the_operator() -> None:
     assert env["POSTTRAIN_TRAINER_IMAGE"] == values["trainerImage"]
     assert env["POSTTRAIN_PATHWAYS_SERVER_IMAGE"] == values["pathwaysServerImage"]
     assert env["POSTTRAIN_PATHWAYS_PROXY_IMAGE"] == values["pathwaysProxyImage"]
+    assert env["POSTTRAIN_PATHWAYS_HEAD_NODE_POOL"] == values["pathwaysHeadNodePool"]
     assert env["POSTTRAIN_DEFAULT_QUEUE"] == ""
     assert env["POSTTRAIN_LOG_LEVEL"] == "INFO"
     for probe in ("livenessProbe", "readinessProbe"):
@@ -378,6 +379,7 @@ def test_operator_defaults_match_the_renderer() -> None:
     assert values["trainerImage"] == cfg.trainer_image
     assert values["pathwaysServerImage"] == cfg.pathways_server_image
     assert values["pathwaysProxyImage"] == cfg.pathways_proxy_image
+    assert values["pathwaysHeadNodePool"] == cfg.pathways_head_node_pool
 
 
 def test_deployment_args_parse_with_the_operator_cli() -> None:
@@ -671,5 +673,6 @@ def test_kueue_flavors_match_the_renderer(path: str, accelerator: str, example: 
         job = yaml.safe_load((ROOT / "examples" / example).read_text())
         assert job["spec"]["scheduling"]["queue"] == lq["metadata"]["name"]
         assert job["metadata"]["namespace"] == lq["metadata"]["namespace"]
-        wpcs = {d["metadata"]["name"] for d in docs if d["kind"] == "WorkloadPriorityClass"}
-        assert job["spec"]["scheduling"]["priorityClass"] in wpcs
+        # The pods' PriorityClass (scheduling.k8s.io), which Kueue also reads.
+        pcs = {d["metadata"]["name"] for d in docs if d["kind"] == "PriorityClass"}
+        assert job["spec"]["scheduling"]["priorityClass"] in pcs

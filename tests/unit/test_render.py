@@ -37,6 +37,7 @@ def test_golden(path):
 def test_matrix_covers_required_modes():
     names = {p.stem for p in JOBS}
     assert {"v6e-256-pathways-2-slices", "v5p-128", "v5e-8", "h100-2-nodes", "cpu"} <= names
+    assert "v6e-8-single-host" in names
 
 
 def _rjobs(jobset):
@@ -58,29 +59,72 @@ def test_pathways_two_slices():
     head, worker = rjobs["pathways-head"], rjobs["worker"]
     assert head["replicas"] == 1 and head["template"]["spec"]["parallelism"] == 1
     assert worker["replicas"] == 2 and worker["template"]["spec"]["parallelism"] == 64
-    sidecars = {c["name"]: c for c in _pod(head)["initContainers"]}
+    hpod = _pod(head)
+    sidecars = {c["name"]: c for c in hpod["initContainers"]}
     assert set(sidecars) == {"pathways-rm", "pathways-proxy"}
     assert all(c["restartPolicy"] == "Always" for c in sidecars.values())
+    images = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/"
+    assert sidecars["pathways-rm"]["image"] == images + "server:latest"
+    assert sidecars["pathways-proxy"]["image"] == images + "proxy_server:latest"
+    assert _pod(worker)["containers"][0]["image"] == images + "server:latest"
     head_host = "qwen3-pw-2x256-pathways-head-0-0.qwen3-pw-2x256"
-    assert "--instance_type=tpuv6e:16x16" in sidecars["pathways-rm"]["args"]
-    assert "--instance_count=2" in sidecars["pathways-rm"]["args"]
+    rm = sidecars["pathways-rm"]
+    assert "--instance_type=tpuv6e:16x16" in rm["args"]
+    assert "--instance_count=2" in rm["args"]
     assert f"--resource_manager_address={head_host}:29001" in sidecars["pathways-proxy"]["args"]
-    env = _env(_pod(head)["containers"][0])
+    assert _env(rm)["TPU_SKIP_MDS_QUERY"]["value"] == "true"
+    assert {"HOST_ADDRESS", "JOBSET_NAME", "REPLICATED_JOB_NAME"} <= set(_env(rm))
+    assert [p["containerPort"] for p in rm["ports"]] == [29001, 29002]
+    # xpk's limits; the head asks for no TPU.
+    assert rm["resources"]["limits"] == {"cpu": "8", "memory": "32G"}
+    assert sidecars["pathways-proxy"]["resources"]["limits"] == {"cpu": "16", "memory": "100G"}
+    trainer = hpod["containers"][0]
+    assert trainer["resources"]["limits"] == {"cpu": "24", "memory": "100G"}
+    env = _env(trainer)
     assert env["JAX_PLATFORMS"]["value"] == "proxy"
     assert env["JAX_BACKEND_TARGET"]["value"] == f"grpc://{head_host}:29000"
-    assert "resources" not in _pod(head)["containers"][0]  # the head holds no TPU
+    # The head: a CPU node pool (operator setting), exclusive per node, not per pool.
+    assert hpod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "cpu-np"}
+    assert hpod["hostNetwork"] is True and hpod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert hpod["priorityClassName"] == "high"
+    exclusive = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+    assert head["template"]["metadata"]["annotations"] == {exclusive: "kubernetes.io/hostname"}
+    assert worker["template"]["metadata"]["annotations"] == {
+        exclusive: "cloud.google.com/gke-nodepool"
+    }
+    assert "annotations" not in js["metadata"]  # no JobSet-wide lock of the CPU pool
     wpod = _pod(worker)
     wc = wpod["containers"][0]
     assert wc["resources"]["limits"] == {"google.com/tpu": 4}
     assert _env(wc)["MEGASCALE_NUM_SLICES"]["value"] == "2"
+    assert [p["containerPort"] for p in wc["ports"]] == [29005, 29006, 8471, 8080]
     assert wpod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "16x16"
+    assert wpod["priorityClassName"] == "high"
+    # Workers restart in place as xpk's do; OnFailure forbids a podFailurePolicy.
+    assert wpod["restartPolicy"] == "OnFailure"
+    assert "podFailurePolicy" not in worker["template"]["spec"]
+    assert worker["template"]["spec"]["backoffLimit"] == 64 * 4
+    assert head["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert js["spec"]["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
     assert js["spec"]["successPolicy"] == {
         "operator": "All",
         "targetReplicatedJobs": ["pathways-head"],
     }
     assert js["spec"]["coordinator"]["replicatedJob"] == "pathways-head"
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu-v6e"
-    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"
+    assert "kueue.x-k8s.io/priority-class" not in js["metadata"]["labels"]
+
+
+def test_pathways_head_node_pool_operator_setting_and_job_override():
+    job = load_job(GOLDEN / "jobs" / "v6e-256-pathways-2-slices.yaml")
+
+    def head_selector(config):
+        return _pod(_rjobs(render(job, config)[-1])["pathways-head"])["nodeSelector"]
+
+    config = RenderConfig(pathways_head_node_pool="pathways-cpu")
+    assert head_selector(config) == {"cloud.google.com/gke-nodepool": "pathways-cpu"}
+    job.spec.resources.pathways.head_node_pool = "big-cpu"
+    assert head_selector(config) == {"cloud.google.com/gke-nodepool": "big-cpu"}
 
 
 def test_tpu_multihost_one_process_per_host():
@@ -96,10 +140,36 @@ def test_tpu_multihost_one_process_per_host():
     assert pod["tolerations"] == [
         {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
+    # As GKE runs TPU hosts: the node's network, a memory /dev/shm, the machine type.
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert "securityContext" not in pod["containers"][0]  # no privileged mode
+    assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == "ct5p-hightpu-4t"
     assert js["metadata"]["annotations"] == {
         "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
     }
     assert js["spec"]["ttlSecondsAfterFinished"] == 3600
+
+
+def test_single_host_8_chip_slice_without_host_network():
+    """machineType picks the one-VM 2x4 slice; hostNetwork: false keeps pod networking;
+    workloadPriorityClass is Kueue's label, priorityClass the pods' field."""
+    objs = rendered("v6e-8-single-host")
+    js = objs["JobSet"]
+    (rjob,) = js["spec"]["replicatedJobs"]
+    assert rjob["template"]["spec"]["parallelism"] == 1
+    pod = _pod(rjob)
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+        "node.kubernetes.io/instance-type": "ct6e-standard-8t",
+    }
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 8}
+    assert "hostNetwork" not in pod and "dnsPolicy" not in pod
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "research"
+    assert "priorityClassName" not in pod
 
 
 def test_multislice_megascale_env():
@@ -211,11 +281,14 @@ def test_scheduling_patch():
 
     assert scheduling_patch({"suspend": False}, {"suspend": False, "queue": "q"}) == {}
     assert scheduling_patch({"suspend": False}, {"suspend": True}) == {"spec": {"suspend": True}}
-    assert scheduling_patch({}, {"ttlSecondsAfterFinished": 60, "priorityClass": "high"}) == {
+    new = {"ttlSecondsAfterFinished": 60, "workloadPriorityClass": "high"}
+    assert scheduling_patch({}, new) == {
         "spec": {"ttlSecondsAfterFinished": 60},
         "metadata": {"labels": {"kueue.x-k8s.io/priority-class": "high"}},
     }
     # Removing a label or ttl sends null, which a merge patch deletes.
-    assert scheduling_patch({"priorityClass": "high"}, {}) == {
+    assert scheduling_patch({"workloadPriorityClass": "high"}, {}) == {
         "metadata": {"labels": {"kueue.x-k8s.io/priority-class": None}}
     }
+    # The pods' PriorityClass is immutable (the CRD refuses a change); nothing to patch.
+    assert scheduling_patch({"priorityClass": "a"}, {"priorityClass": "b"}) == {}

@@ -179,6 +179,7 @@ IMMUTABLE: list[str] = [
     "image",
     "hfTokenSecret",
     "scheduling.queue",
+    "scheduling.priorityClass",
 ]
 
 

@@ -373,6 +373,10 @@ class PathwaysSpec(KubeModel):
     gcs_scratch_location: str | None = Field(default=None, max_length=URI_MAX, pattern=r"^gs://")
     """gs:// scratch space for the proxy. Default: <output.uri>/pathways-scratch."""
 
+    head_node_pool: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9-]+$")
+    """GKE node pool (label cloud.google.com/gke-nodepool) of the pathways-head pod, a CPU
+    pool. Default: the operator's setting (chart value defaults.pathwaysHeadNodePool)."""
+
 
 class ResourcesSpec(KubeModel):
     """What the job runs on."""
@@ -383,8 +387,17 @@ class ResourcesSpec(KubeModel):
     or cpu."""
 
     topology: str | None = Field(default=None, max_length=32, pattern=r"^\d+(x\d+){1,2}$")
-    """TPU topology (e.g. 4x8). Default: the one shape GKE offers for the device's chip
-    count."""
+    """TPU topology (e.g. 4x8). Default: the shape GKE offers for the device's chip count
+    (the most compact one where there are several)."""
+
+    machine_type: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9-]+$")
+    """TPU VM type, for slices GKE builds from different VMs: a 2x4 slice is two
+    ct6e-standard-4t hosts (the default) or one ct6e-standard-8t host. The pods select
+    it with the node label node.kubernetes.io/instance-type."""
+
+    host_network: bool = True
+    """TPU pods use their node's network (hostNetwork, dnsPolicy ClusterFirstWithHostNet),
+    as GKE and xpk run multi-host TPU jobs; false keeps pod networking."""
 
     slices: int = Field(default=1, ge=1, le=64)
     """Number of TPU slices (multi-slice over DCN)."""
@@ -412,10 +425,14 @@ class SchedulingSpec(KubeModel):
     """Kueue LocalQueue name; the JobSet waits (phase Queued) until Kueue admits it."""
 
     priority_class: str | None = Field(default=None, max_length=NAME_MAX)
-    """Kueue WorkloadPriorityClass of the job (label kueue.x-k8s.io/priority-class)."""
+    """PriorityClass (scheduling.k8s.io) of the job's pods: the scheduler may preempt
+    lower-priority pods for them, and Kueue takes the job's priority from it unless
+    workloadPriorityClass is set. It must exist."""
 
-    pod_priority_class_name: str | None = Field(default=None, max_length=NAME_MAX)
-    """Kubernetes PriorityClass of the trainer pods."""
+    workload_priority_class: str | None = Field(default=None, max_length=63)
+    """Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the job's
+    priority in Kueue's queueing and preemption, without changing the pods' priority. It
+    must exist."""
 
     max_restarts: int = Field(default=3, ge=0, le=1000)
     """Whole-job restarts after failures. Preemptions do not count; errors in the job's

@@ -68,7 +68,9 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
     res = spec.resources
     try:
-        placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node)
+        placement = catalog.resolve(
+            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
+        )
     except catalog.CatalogError as e:
         field = "spec.resources.topology" if res.topology and "topology" in str(e) else None
         errors.append(FieldError(field or "spec.resources.accelerator", str(e)))

@@ -38,7 +38,7 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
                 FieldError("spec.lora.targetModules", f"not a valid regular expression: {e}")
             )
     res = spec.resources
-    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node)
+    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
     estimate = capacity.estimate(spec, placement)
     if estimate is not None and not estimate.fits:
         errors.append(

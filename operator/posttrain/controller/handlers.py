@@ -5,7 +5,7 @@
 - JobSet events and a periodic resync: recompute status with `phase.status_patch`.
 - A JobSet deleted out of band while the job is unfinished is created again (the trainer
   resumes from its last checkpoint); a finished job's JobSet is left gone.
-- spec.scheduling.suspend / priorityClass / ttlSecondsAfterFinished changes go to the
+- spec.scheduling.suspend / workloadPriorityClass / ttlSecondsAfterFinished changes go to the
   JobSet (`scheduling_patch`); other spec changes are refused by the CRD's transition rules.
 """
 

@@ -2,7 +2,7 @@
 
 Settings come from flags, with environment defaults for the chart:
 POSTTRAIN_TRAINER_IMAGE, POSTTRAIN_PATHWAYS_SERVER_IMAGE, POSTTRAIN_PATHWAYS_PROXY_IMAGE,
-POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
+POSTTRAIN_PATHWAYS_HEAD_NODE_POOL, POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def _render_config() -> RenderConfig:
         "trainer_image": "POSTTRAIN_TRAINER_IMAGE",
         "pathways_server_image": "POSTTRAIN_PATHWAYS_SERVER_IMAGE",
         "pathways_proxy_image": "POSTTRAIN_PATHWAYS_PROXY_IMAGE",
+        "pathways_head_node_pool": "POSTTRAIN_PATHWAYS_HEAD_NODE_POOL",
         "default_queue": "POSTTRAIN_DEFAULT_QUEUE",
     }
     return dataclasses.replace(

@@ -4,7 +4,8 @@ Modes (chosen from spec.resources):
 - TPU: replicated job `slice` (one Job per slice, one pod = one JAX process per host),
   exclusive placement per node pool, MEGASCALE_* env when there are several slices.
 - TPU with Pathways: `pathways-head` (resource manager and proxy as native sidecars, the
-  trainer as a single JAX client) and `worker` (pathways-worker on every TPU host).
+  trainer as a single JAX client) and `worker` (pathways-worker on every TPU host); see
+  `posttrain.render.pathways`. TPU pods get what GKE runs them with: `posttrain.render.tpu`.
 - GPU and CPU: replicated job `node`, one pod per node.
 
 Restarts: the trainer exits with USER_ERROR_EXIT_CODE for errors in the job's own input;
@@ -18,20 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
-from posttrain.catalog import Placement
-from posttrain.render import names
+from posttrain.catalog import NODEPOOL_LABEL, Placement
+from posttrain.render import names, pathways, tpu
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONFIG_MOUNT = "/etc/posttrain"
 CONFIG_FILE = f"{CONFIG_MOUNT}/job.json"
 JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
-EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+EXCLUSIVE_TOPOLOGY = pathways.EXCLUSIVE_TOPOLOGY
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_NAME_LABEL = "posttrain.dev/job-name"
-PATHWAYS_RM_PORT = 29001
-PATHWAYS_PROXY_PORT = 29000
-PATHWAYS_WORKER_PORT = 29005
 
 # Job failure messages the Job controller writes for podFailurePolicy FailJob rules;
 # the JobSet failurePolicy tells the two causes apart by them.
@@ -44,10 +42,9 @@ class RenderConfig:
     """Operator-level defaults a PostTrainJob may leave out."""
 
     trainer_image: str = "ghcr.io/posttrain/trainer:0.1.0"
-    pathways_server_image: str = "us-docker.pkg.dev/cloud-tpu-v2-releases/pathways/server:latest"
-    pathways_proxy_image: str = (
-        "us-docker.pkg.dev/cloud-tpu-v2-releases/pathways/proxy_server:latest"
-    )
+    pathways_server_image: str = pathways.SERVER_IMAGE
+    pathways_proxy_image: str = pathways.PROXY_IMAGE
+    pathways_head_node_pool: str = pathways.HEAD_NODE_POOL  # a CPU node pool
     default_queue: str | None = None
 
 
@@ -105,7 +102,7 @@ def _trainer_env(job: PostTrainJob, placement: Placement, pathways_head: str | N
             {"name": "JAX_PLATFORMS", "value": "proxy"},
             {
                 "name": "JAX_BACKEND_TARGET",
-                "value": f"grpc://{pathways_head}:{PATHWAYS_PROXY_PORT}",
+                "value": f"grpc://{pathways_head}:{pathways.PROXY_PORT}",
             },
             {"name": "XCLOUD_ENVIRONMENT", "value": "GCP"},
             {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"},
@@ -242,10 +239,12 @@ def _replicated_job(
     }
 
 
-def _pod_common(job: PostTrainJob) -> dict[str, Any]:
-    spec: dict[str, Any] = {"serviceAccountName": trainer_service_account(job)}
-    if job.spec.scheduling.pod_priority_class_name:
-        spec["priorityClassName"] = job.spec.scheduling.pod_priority_class_name
+def _pod_common(job: PostTrainJob, *, service_account: bool = True) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if service_account:
+        spec["serviceAccountName"] = trainer_service_account(job)
+    if job.spec.scheduling.priority_class:
+        spec["priorityClassName"] = job.spec.scheduling.priority_class
     return spec
 
 
@@ -261,95 +260,85 @@ def _direct_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) 
         "containers": [_trainer_container(job, placement, config, None)],
         "volumes": _volumes(job),
     }
-    return [_replicated_job(job, shape, pod, "trainer")]
+    rjob = _replicated_job(job, shape, pod, "trainer")
+    if placement.is_tpu:
+        tpu.decorate(
+            rjob["template"]["spec"]["template"], use_host_network=job.spec.resources.host_network
+        )
+    return [rjob]
 
 
 def _pathways_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) -> list[dict]:
     spec = job.spec
+    res = spec.resources
     head_shape, worker_shape = names.replicated_jobs(spec, placement)
     js = names.jobset_name(job.metadata.name)
     head = f"{names.pod_hostname(js, head_shape.name, 0, 0)}.{js}"
-    scratch = spec.resources.pathways.gcs_scratch_location or (
+    scratch = res.pathways.gcs_scratch_location or (
         spec.output.uri.rstrip("/") + "/pathways-scratch"
     )
-    server_image = spec.resources.pathways.server_image or config.pathways_server_image
-    proxy_image = spec.resources.pathways.proxy_image or config.pathways_proxy_image
-    rm = f"{head}:{PATHWAYS_RM_PORT}"
-    sidecars = [
-        {
-            "name": "pathways-rm",
-            "image": server_image,
-            "restartPolicy": "Always",
-            "args": [
-                f"--server_port={PATHWAYS_RM_PORT}",
-                "--node_type=resource_manager",
-                f"--instance_count={spec.resources.slices}",
-                f"--instance_type={placement.pathways_instance_type}",
-                f"--gcs_scratch_location={scratch}",
-            ],
-            "ports": [{"containerPort": PATHWAYS_RM_PORT}],
-        },
-        {
-            "name": "pathways-proxy",
-            "image": proxy_image,
-            "restartPolicy": "Always",
-            "args": [
-                f"--server_port={PATHWAYS_PROXY_PORT}",
-                f"--resource_manager_address={rm}",
-                f"--gcs_scratch_location={scratch}",
-            ],
-            "ports": [{"containerPort": PATHWAYS_PROXY_PORT}],
-        },
-    ]
+    server_image = res.pathways.server_image or config.pathways_server_image
+    trainer = _trainer_container(job, placement, config, head)
+    trainer["resources"] = pathways.trainer_resources(res.cpu, res.memory)
     head_pod = {
         **_pod_common(job),
-        "initContainers": sidecars,
-        "containers": [_trainer_container(job, placement, config, head)],
+        "nodeSelector": pathways.head_node_selector(
+            res.pathways.head_node_pool or config.pathways_head_node_pool
+        ),
+        **tpu.host_network(res.host_network),
+        "initContainers": pathways.head_sidecars(
+            server_image=server_image,
+            proxy_image=res.pathways.proxy_image or config.pathways_proxy_image,
+            head=head,
+            slices=res.slices,
+            instance_type=placement.pathways_instance_type,
+            scratch=scratch,
+        ),
+        "containers": [trainer],
         "volumes": _volumes(job),
     }
     worker_pod = {
+        **_pod_common(job, service_account=False),
         **_placement_fields(placement),
         "containers": [
-            {
-                "name": "pathways-worker",
-                "image": server_image,
-                "args": [
-                    f"--server_port={PATHWAYS_WORKER_PORT}",
-                    f"--resource_manager_address={rm}",
-                    f"--gcs_scratch_location={scratch}",
-                ],
-                "env": _megascale_env(spec.resources.slices, head),
-                "ports": [{"containerPort": PATHWAYS_WORKER_PORT}],
-                "resources": {"limits": {placement.resource_name: placement.devices_per_host}},
-            }
+            pathways.worker_container(
+                server_image=server_image,
+                head=head,
+                scratch=scratch,
+                placement=placement,
+                megascale_env=_megascale_env(res.slices, head),
+            )
         ],
     }
-    return [
-        _replicated_job(job, head_shape, head_pod, "trainer"),
-        _replicated_job(job, worker_shape, worker_pod, None),
-    ]
+    head_job = _replicated_job(job, head_shape, head_pod, "trainer")
+    worker_job = _replicated_job(job, worker_shape, worker_pod, None)
+    tpu.decorate(worker_job["template"]["spec"]["template"], use_host_network=res.host_network)
+    pathways.restart_workers_in_place(worker_job, worker_shape.pods)
+    pathways.exclusive(head_job, pathways.HEAD_EXCLUSIVE)
+    pathways.exclusive(worker_job, pathways.WORKER_EXCLUSIVE)
+    return [head_job, worker_job]
 
 
 def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig) -> dict:
     """The JobSet manifest for a valid job (see `posttrain.api.validate`)."""
     spec = job.spec
-    pathways = placement.is_tpu and spec.resources.pathways.enabled
+    use_pathways = placement.is_tpu and spec.resources.pathways.enabled
     labels: dict[str, str] = {}
     if queue := spec.scheduling.queue or config.default_queue:
         labels[KUEUE_QUEUE_LABEL] = queue
-    if spec.scheduling.priority_class:
-        labels[KUEUE_PRIORITY_LABEL] = spec.scheduling.priority_class
+    if spec.scheduling.workload_priority_class:
+        labels[KUEUE_PRIORITY_LABEL] = spec.scheduling.workload_priority_class
     meta = object_meta(job, names.jobset_name(job.metadata.name), labels)
-    if placement.is_tpu:
-        meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
-    jobs = (_pathways_jobs if pathways else _direct_jobs)(job, placement, config)
+    if placement.is_tpu and not use_pathways:  # Pathways: per replicated job
+        meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
+    jobs = (_pathways_jobs if use_pathways else _direct_jobs)(job, placement, config)
     first = jobs[0]["name"]
     jobset_spec: dict[str, Any] = {
         "suspend": spec.scheduling.suspend,
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "coordinator": {"replicatedJob": first, "jobIndex": 0, "podIndex": 0},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": [first]}
-        if pathways
+        if use_pathways
         else {"operator": "All"},
         "failurePolicy": {
             "maxRestarts": spec.scheduling.max_restarts,
@@ -370,6 +359,8 @@ def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig)
         },
         "replicatedJobs": jobs,
     }
+    if use_pathways:
+        jobset_spec["startupPolicy"] = dict(pathways.STARTUP_POLICY)
     if spec.scheduling.ttl_seconds_after_finished is not None:
         jobset_spec["ttlSecondsAfterFinished"] = spec.scheduling.ttl_seconds_after_finished
     return {
@@ -388,6 +379,6 @@ def scheduling_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]
         patch.setdefault("spec", {})["suspend"] = bool(new.get("suspend"))
     if old.get("ttlSecondsAfterFinished") != new.get("ttlSecondsAfterFinished"):
         patch.setdefault("spec", {})["ttlSecondsAfterFinished"] = new.get("ttlSecondsAfterFinished")
-    if old.get("priorityClass") != new.get("priorityClass"):
-        patch["metadata"] = {"labels": {KUEUE_PRIORITY_LABEL: new.get("priorityClass")}}
+    if old.get("workloadPriorityClass") != new.get("workloadPriorityClass"):
+        patch["metadata"] = {"labels": {KUEUE_PRIORITY_LABEL: new.get("workloadPriorityClass")}}
     return patch

@@ -90,7 +90,7 @@ def render(job: PostTrainJob, config: RenderConfig | None = None) -> list[dict[s
     """All objects for a valid job, in the order to create them."""
     config = config or RenderConfig()
     res = job.spec.resources
-    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node)
+    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
     return [
         *render_trainer_access(job),
         render_config_map(job),
