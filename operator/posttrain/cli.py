@@ -13,35 +13,47 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any, NoReturn
 
-from posttrain.api.validate import InvalidJob, load_job
+from posttrain.api.spec import PostTrainJob
+from posttrain.api.validate import InvalidJob, load_job, printable
 from posttrain.controller.options import add_arguments as add_operator_arguments
 from posttrain.yaml_out import dump_yaml
 
 
+def _load(path: str, overrides: dict[str, Any] | None = None) -> PostTrainJob | None:
+    """The job in `path`, or None after printing one line per error, each naming the
+    file and the field."""
+    try:
+        return load_job(path, overrides)
+    except InvalidJob as e:
+        print(str(e), file=sys.stderr)
+    except OSError as e:
+        print(f"{printable(path)}: cannot read: {e.strerror or e}", file=sys.stderr)
+    return None
+
+
 def _validate(args: argparse.Namespace) -> int:
     failed = 0
-    for path in args.files:
-        try:
-            load_job(path)
-            print(f"{path}: valid")
-        except (InvalidJob, OSError) as e:
+    for path in args.files:  # a bad file does not stop the others
+        if _load(path) is None:
             failed += 1
-            print(str(e), file=sys.stderr)
+        else:
+            print(f"{printable(path)}: valid")
     return 1 if failed else 0
 
 
 def _render(args: argparse.Namespace) -> int:
     from posttrain.render import RenderConfig, render
 
-    try:
-        job = load_job(args.file)
-    except (InvalidJob, OSError) as e:
-        print(str(e), file=sys.stderr)
+    job = _load(args.file)
+    if job is None:
         return 1
     if args.namespace:
         job.metadata.namespace = args.namespace
-    config = RenderConfig(**({"trainer_image": args.trainer_image} if args.trainer_image else {}))
+    kinds = ("cpu", "tpu", "gpu")
+    images = {f"trainer_image_{k}": args.trainer_image for k in kinds if args.trainer_image}
+    config = RenderConfig(**images)
     sys.stdout.write(dump_yaml(render(job, config)))
     return 0
 
@@ -74,8 +86,22 @@ def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _integer(text: str) -> int | str:
+    """A flag's integer; other text is kept, so that validation names the field."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """Bad flags: one line (with --help for usage), exit 2 as argparse does."""
+        self.exit(2, f"{self.prog}: {printable(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="posttrain", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate", help="check PostTrainJob files")
@@ -85,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("render", help="print the objects the operator would create")
     p.add_argument("file")
     p.add_argument("--namespace", "-n")
-    p.add_argument("--trainer-image")
+    p.add_argument("--trainer-image", help="default: the image for the job's accelerator kind")
     p.set_defaults(func=_render)
 
     p = sub.add_parser("crd", help="print the PostTrainJob CustomResourceDefinition")
@@ -94,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train locally from a PostTrainJob file")
     p.add_argument("file")
     p.add_argument("--output", help="override spec.output.uri")
-    p.add_argument("--steps", type=int, help="override spec.training.steps")
+    p.add_argument("--steps", type=_integer, help="override spec.training.steps")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "run_command"))
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model to a Hugging Face checkpoint")

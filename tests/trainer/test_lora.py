@@ -128,7 +128,7 @@ def test_regex_targets(base):
         ("gemma3", ["gate", "up_proj"], "no module named 'gate'"),
         ("gemma2", ["q_proj", "k_proj"], "k_proj and v_proj are one fused projection"),
         ("gemma3-mha", ["q_proj", "o_proj"], "fuses q, k and v"),
-        ("qwen2", "layers/(", "not a valid regex"),
+        ("qwen2", "layers/(", "not a valid regular expression"),
     ],
 )
 def test_bad_targets_name_the_field(family, targets, message, base):

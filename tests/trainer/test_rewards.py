@@ -90,11 +90,6 @@ def test_python_reward_gets_columns_only():
             "rewards[0].function",
             "no callable",
         ),
-        (
-            {"type": "regexFormat", "pattern": "(unclosed"},
-            "rewards[0].pattern",
-            "regular expression",
-        ),
         ({"type": "lengthPenalty"}, "rewards[0].targetLength", "targetLength"),
     ],
 )
@@ -102,6 +97,17 @@ def test_user_errors_name_the_field(spec, field, words):
     with pytest.raises(ValueError) as e:
         fn(spec)
     assert f"spec.grpo.{field}" in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("pattern", ["(unclosed", "(a+)+$", "a{4294967296}"])
+def test_reward_patterns_checked_by_the_spec_and_the_trainer(pattern):
+    with pytest.raises(ValueError, match="regular expression"):
+        RewardSpec.model_validate({"type": "regexFormat", "pattern": pattern})
+    unchecked = RewardSpec.model_construct(type="regexFormat", pattern=pattern)
+    with pytest.raises(
+        ValueError, match=r"spec\.grpo\.rewards\[0\]\.pattern: .*regular expression"
+    ):
+        rewards.build_reward(unchecked, 0)
 
 
 def test_python_reward_with_wrong_length_is_an_error():

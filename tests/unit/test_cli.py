@@ -54,3 +54,67 @@ def test_crd_matches_file():
     r = posttrain("crd")
     assert r.returncode == 0
     assert r.stdout == (ROOT / "crds" / "posttrain.dev_posttrainjobs.yaml").read_text()
+
+
+def _job_yaml(**spec_extra) -> str:
+    doc = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "cli-job"},
+        "spec": {
+            "model": {"source": "/models/tiny"},
+            "data": {"source": "/data/train.jsonl"},
+            "output": {"uri": "/outputs/run"},
+            **spec_extra,
+        },
+    }
+    return yaml.safe_dump(doc)
+
+
+def test_validate_never_tracebacks_and_keeps_going(tmp_path):
+    files = {
+        "list.yaml": b"- a\n- b\n",
+        "scalar.yaml": b"just text\n",
+        "list-first.yaml": b"- a\n---\n" + _job_yaml().encode(),
+        "latin1.yaml": "metadata: {name: caf\xe9}\n".encode("latin-1"),
+        "utf16.yaml": _job_yaml().encode("utf-16"),
+        "deep.yaml": b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+        "escape.yaml": _job_yaml(**{"x\x1b[32m\nspec.model: valid": 1}).encode(),
+        "regex.yaml": _job_yaml(lora={"targetModules": "a{4294967296}"}).encode(),
+        "good.yaml": _job_yaml().encode(),
+    }
+    paths = []
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(str(tmp_path / name))
+    r = posttrain("validate", *paths, str(tmp_path / "missing.yaml"))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == f"{tmp_path / 'good.yaml'}: valid\n"
+    lines = r.stderr.splitlines()
+    for name in [*files, "missing.yaml"]:
+        if name != "good.yaml":
+            assert any(line.startswith(str(tmp_path / name) + ": ") for line in lines), name
+    assert all(line.startswith(str(tmp_path)) for line in lines), lines  # no forged lines
+    assert "spec.x\\x1b[32m\\nspec.model: valid: unknown field" in r.stderr
+    assert "spec.lora.targetModules" in r.stderr
+
+
+def test_bad_flags_get_one_line(tmp_path):
+    r = posttrain("validate")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_run_validates_overrides(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(_job_yaml())
+    for flags, field in [
+        (["--steps", "-5"], "spec.training.steps"),
+        (["--steps", "many"], "spec.training.steps"),
+        (["--output", ""], "spec.output.uri"),
+        (["--output", "/"], "spec.output.uri"),
+        (["--output", "s3://bucket/run"], "spec.output.uri"),
+    ]:
+        r = posttrain("run", str(job), *flags)
+        assert r.returncode == 65, (flags, r.stderr)
+        assert field in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -60,3 +60,50 @@ def test_immutable_changes_lists_changed_fields_only():
     assert "cannot change" in errors[0].message
     new["scheduling"]["queue"] = "other"
     assert "spec.scheduling.queue" in [e.field for e in immutable_changes(old, new)]
+
+
+# -- strict reading, as the CRD reads ---------------------------------------------------
+
+
+def test_valid_job_parsed_strictly_keeps_python_names_for_code():
+    job, errors = validate(valid_job())
+    assert errors == [] and job is not None
+    # Python code may still build models by field name; documents may not.
+    from posttrain.api.spec import TrainingSpec
+
+    assert TrainingSpec(batch_size=4).batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "value,field",
+    [
+        ("8", "spec.training.batchSize"),
+        (8.5, "spec.training.batchSize"),
+        (True, "spec.training.batchSize"),
+    ],
+)
+def test_no_coercion(value, field):
+    doc = valid_job()
+    doc["spec"]["training"] = {"batchSize": value}
+    _, errors = validate(doc)
+    assert [e.field for e in errors] == [field]
+
+
+def test_nan_and_inf_refused():
+    for value in (float("nan"), float("inf"), float("-inf")):
+        doc = valid_job()
+        doc["spec"]["training"] = {"learningRate": value}
+        _, errors = validate(doc)
+        assert [e.field for e in errors] == ["spec.training.learningRate"]
+
+
+def test_values_json_cannot_carry_are_refused():
+    doc = valid_job()
+    doc["spec"]["model"]["source"] = b"/models/tiny"
+    _, errors = validate(doc)
+    assert [e.field for e in errors] == ["(document)"]
+
+
+def test_printable_escapes_control_and_bidi_characters():
+    err = FieldError("spec.a\nb", "x\x1b[31m \u202eevil")
+    assert str(err) == "spec.a\\nb: x\\x1b[31m \\u202eevil"

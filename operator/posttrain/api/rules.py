@@ -26,7 +26,7 @@ class Rule:
 
 
 def _is_tpu(spec: PostTrainJobSpec) -> bool:
-    return re.match(TPU_NAME_CEL, spec.resources.accelerator) is not None
+    return re.fullmatch(TPU_NAME_CEL.strip("^$"), spec.resources.accelerator) is not None
 
 
 RULES: list[Rule] = [

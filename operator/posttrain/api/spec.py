@@ -8,11 +8,14 @@ client code: the operator image and the trainer both depend on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+from posttrain.api import kube_values, locations, patterns
 
 GROUP = "posttrain.dev"
 VERSION = "v1alpha1"
@@ -29,6 +32,39 @@ USER_ERROR_EXIT_CODE = 65
 URI_MAX = 2048
 NAME_MAX = 253
 REGEX_MAX = 1024
+INT32_MAX = 2**31 - 1
+LENGTH_MAX = 1048576  # tokens
+
+
+def _checked(check: Callable[..., str | None], *args: Any) -> AfterValidator:
+    """A validator from a pure check that returns why a value is bad (or None)."""
+
+    def validate(value: str) -> str:
+        if (problem := check(value, *args)) is not None:
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(validate)
+
+
+def _not_root(uri: str) -> str | None:
+    if uri.startswith("/") and uri.strip("/") == "":
+        return "cannot be / (outputs go to a directory of their own)"
+    return None
+
+
+# Field types whose values are checked beyond the CRD's schema (see posttrain.api.locations,
+# patterns and kube_values): validate, the admission webhook and the trainer run them.
+ModelLocation = Annotated[
+    str, _checked(locations.location_error, (locations.PATH, locations.GS, locations.HF))
+]
+FileLocation = Annotated[str, _checked(locations.location_error, (locations.PATH, locations.GS))]
+OutputLocation = Annotated[FileLocation, _checked(_not_root)]
+GcsLocation = Annotated[str, _checked(locations.location_error, (locations.GS,))]
+ImageReference = Annotated[str, _checked(locations.image_error)]
+UserRegex = Annotated[str, _checked(patterns.regex_error)]
+Quantity = Annotated[str, _checked(kube_values.quantity_error)]
+PriorityClassName = Annotated[str, _checked(kube_values.priority_class_error)]
 
 
 class KubeModel(BaseModel):
@@ -41,6 +77,7 @@ class KubeModel(BaseModel):
         use_attribute_docstrings=True,
         use_enum_values=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -73,7 +110,7 @@ class DType(StrEnum):
 class ModelSpec(KubeModel):
     """The base model to post-train."""
 
-    source: str = Field(min_length=1, max_length=URI_MAX)
+    source: ModelLocation = Field(min_length=1, max_length=URI_MAX)
     """Where the Hugging Face safetensors checkpoint lives: a local or mounted path
     (/models/qwen3), gs://bucket/path, or hf://org/name (downloaded by the trainer, using
     hfTokenSecret when set)."""
@@ -96,14 +133,14 @@ class LoraSpec(KubeModel):
     rank: int = Field(default=16, ge=1, le=1024)
     """Rank r of the adapter matrices."""
 
-    alpha: float = Field(default=32.0, gt=0)
+    alpha: float = Field(default=32.0, gt=0, le=1_000_000)
     """Scaling numerator: adapters are scaled by alpha / rank (as in PEFT's lora_alpha)."""
 
-    target_modules: str | None = Field(default=None, max_length=REGEX_MAX)
+    target_modules: UserRegex | None = Field(default=None, min_length=1, max_length=REGEX_MAX)
     """Regular expression over module paths that get adapters. Default: the attention and
     MLP projections of the model family. A pattern that matches no module is an error."""
 
-    restore_from: str | None = Field(default=None, max_length=URI_MAX)
+    restore_from: ModelLocation | None = Field(default=None, min_length=1, max_length=URI_MAX)
     """A PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to start
     from instead of zero-initialised adapters."""
 
@@ -119,45 +156,45 @@ class DataColumns(KubeModel):
     """Names of the dataset columns the trainer reads. Only the columns the technique
     needs must exist."""
 
-    prompt: str = Field(default="prompt", max_length=NAME_MAX)
+    prompt: str = Field(default="prompt", min_length=1, max_length=NAME_MAX)
     """Prompt text (sft with prompt/completion, grpo, dpo)."""
 
-    completion: str = Field(default="completion", max_length=NAME_MAX)
+    completion: str = Field(default="completion", min_length=1, max_length=NAME_MAX)
     """Completion text for prompt/completion SFT and distillation."""
 
-    messages: str = Field(default="messages", max_length=NAME_MAX)
+    messages: str = Field(default="messages", min_length=1, max_length=NAME_MAX)
     """Chat messages, a list of {role, content}. Used when the column exists."""
 
-    chosen: str = Field(default="chosen", max_length=NAME_MAX)
+    chosen: str = Field(default="chosen", min_length=1, max_length=NAME_MAX)
     """Preferred completion (dpo)."""
 
-    rejected: str = Field(default="rejected", max_length=NAME_MAX)
+    rejected: str = Field(default="rejected", min_length=1, max_length=NAME_MAX)
     """Dispreferred completion (dpo)."""
 
-    answer: str = Field(default="answer", max_length=NAME_MAX)
+    answer: str = Field(default="answer", min_length=1, max_length=NAME_MAX)
     """Reference answer that rewards check (grpo)."""
 
 
 class DataSpec(KubeModel):
     """Training data."""
 
-    source: str = Field(min_length=1, max_length=URI_MAX)
+    source: FileLocation = Field(min_length=1, max_length=URI_MAX)
     """A .jsonl or .parquet file, a directory of them, or a Hugging Face `datasets`
     directory made by save_to_disk; local or gs://."""
 
     format: DataFormat = DataFormat.auto
     """File format; auto decides from the file extension."""
 
-    split: str = Field(default="train", max_length=NAME_MAX)
+    split: str = Field(default="train", min_length=1, max_length=NAME_MAX)
     """Split to read from a `datasets` DatasetDict directory."""
 
     columns: DataColumns = Field(default_factory=DataColumns)
     """Column mapping."""
 
-    chat_template: str | None = Field(default=None, max_length=URI_MAX)
+    chat_template: FileLocation | None = Field(default=None, min_length=1, max_length=URI_MAX)
     """A Jinja chat template file. Default: the tokenizer's own chat template."""
 
-    max_length: int = Field(default=1024, ge=8, le=1048576)
+    max_length: int = Field(default=1024, ge=8, le=LENGTH_MAX)
     """Longest tokenized sequence; longer examples are truncated."""
 
     packing: bool = False
@@ -199,7 +236,7 @@ class TrainingSpec(KubeModel):
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
     """Peak learning rate."""
 
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
     """Linear warmup steps from 0 to learningRate."""
 
     schedule: Schedule = Schedule.cosine
@@ -208,16 +245,16 @@ class TrainingSpec(KubeModel):
     optimizer: Optimizer = Optimizer.adamw
     """Optimizer."""
 
-    weight_decay: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0, le=10)
     """Decoupled weight decay (adamw)."""
 
-    max_grad_norm: float = Field(default=1.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, ge=0, le=1_000_000)
     """Clip gradients to this global norm; 0 disables clipping."""
 
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=INT32_MAX)
     """Seed for initialisation, shuffling and sampling."""
 
-    log_every_steps: int = Field(default=10, ge=1)
+    log_every_steps: int = Field(default=10, ge=1, le=10_000_000)
     """How often to write TensorBoard scalars and report progress."""
 
 
@@ -236,13 +273,13 @@ class RewardSpec(KubeModel):
     regexFormat: 1 when the completion matches pattern; lengthPenalty: minus the
     fraction by which the completion exceeds targetLength; python: a user function."""
 
-    weight: float = 1.0
+    weight: float = Field(default=1.0, ge=-1000, le=1000)
     """Multiplier for this reward."""
 
-    pattern: str | None = Field(default=None, max_length=REGEX_MAX)
+    pattern: UserRegex | None = Field(default=None, min_length=1, max_length=REGEX_MAX)
     """Regular expression for regexFormat."""
 
-    target_length: int | None = Field(default=None, ge=1)
+    target_length: int | None = Field(default=None, ge=1, le=LENGTH_MAX)
     """Completion length in tokens above which lengthPenalty applies."""
 
     function: str | None = Field(
@@ -267,7 +304,7 @@ class GrpoSpec(KubeModel):
     num_generations: int = Field(default=4, ge=2, le=1024)
     """Completions sampled per prompt; advantages are relative within the group."""
 
-    beta: float = Field(default=0.04, ge=0)
+    beta: float = Field(default=0.04, ge=0, le=100)
     """KL penalty to the reference model; 0 skips the reference model."""
 
     epsilon: float = Field(default=0.2, gt=0, le=1)
@@ -276,10 +313,10 @@ class GrpoSpec(KubeModel):
     loss_algorithm: GrpoLoss = GrpoLoss.grpo
     """Sequence-level GRPO or token-level GSPO loss."""
 
-    max_prompt_length: int = Field(default=256, ge=1)
+    max_prompt_length: int = Field(default=256, ge=1, le=LENGTH_MAX)
     """Prompt tokens kept (left-truncated)."""
 
-    max_completion_length: int = Field(default=256, ge=1)
+    max_completion_length: int = Field(default=256, ge=1, le=LENGTH_MAX)
     """Tokens generated per completion."""
 
     temperature: float = Field(default=0.9, gt=0, le=10)
@@ -303,10 +340,10 @@ class DpoSpec(KubeModel):
     algorithm: DpoAlgorithm = DpoAlgorithm.dpo
     """dpo (with a frozen reference model) or orpo (reference-free)."""
 
-    beta: float = Field(default=0.1, gt=0)
+    beta: float = Field(default=0.1, gt=0, le=100)
     """Strength of the preference term."""
 
-    max_prompt_length: int = Field(default=512, ge=1)
+    max_prompt_length: int = Field(default=512, ge=1, le=LENGTH_MAX)
     """Prompt tokens kept (left-truncated)."""
 
 
@@ -316,7 +353,7 @@ class DistillSpec(KubeModel):
     teacher: ModelSpec
     """The teacher model; it shares the student's tokenizer."""
 
-    temperature: float = Field(default=2.0, gt=0)
+    temperature: float = Field(default=2.0, gt=0, le=100)
     """Softmax temperature applied to both teacher and student logits."""
 
     alpha: float = Field(default=0.5, ge=0, le=1)
@@ -326,7 +363,7 @@ class DistillSpec(KubeModel):
 class CheckpointSpec(KubeModel):
     """Orbax checkpoints (params, optimizer state and data position)."""
 
-    every_steps: int = Field(default=500, ge=1)
+    every_steps: int = Field(default=500, ge=1, le=10_000_000)
     """Save every N steps, and at the end and on SIGTERM."""
 
     keep: int = Field(default=3, ge=1, le=1000)
@@ -346,14 +383,16 @@ class ExportFormat(StrEnum):
 class OutputSpec(KubeModel):
     """Where results go: checkpoints/, tensorboard/ and hf/ under one URI."""
 
-    uri: str = Field(min_length=1, max_length=URI_MAX)
+    uri: OutputLocation = Field(min_length=1, max_length=URI_MAX)
     """gs://bucket/prefix, or a path (on a mounted volume in the cluster)."""
 
     export_hf: ExportFormat = Field(default=ExportFormat.auto, alias="exportHF")
     """Hugging Face export at the end: adapter (PEFT format, LoRA only), merged (full
     safetensors model), none; auto is adapter with LoRA and merged without."""
 
-    persistent_volume_claim: str | None = Field(default=None, max_length=NAME_MAX)
+    persistent_volume_claim: str | None = Field(
+        default=None, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN
+    )
     """A PersistentVolumeClaim mounted at uri in the trainer pods (uri is then a path)."""
 
 
@@ -364,13 +403,15 @@ class PathwaysSpec(KubeModel):
     enabled: bool = False
     """Use Pathways."""
 
-    server_image: str | None = Field(default=None, max_length=URI_MAX)
+    server_image: ImageReference | None = Field(default=None, max_length=URI_MAX)
     """Image of pathways-rm and pathways-worker. Default: the operator's setting."""
 
-    proxy_image: str | None = Field(default=None, max_length=URI_MAX)
+    proxy_image: ImageReference | None = Field(default=None, max_length=URI_MAX)
     """Image of pathways-proxy. Default: the operator's setting."""
 
-    gcs_scratch_location: str | None = Field(default=None, max_length=URI_MAX, pattern=r"^gs://")
+    gcs_scratch_location: GcsLocation | None = Field(
+        default=None, max_length=URI_MAX, pattern=r"^gs://"
+    )
     """gs:// scratch space for the proxy. Default: <output.uri>/pathways-scratch."""
 
     head_node_pool: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9-]+$")
@@ -381,7 +422,9 @@ class PathwaysSpec(KubeModel):
 class ResourcesSpec(KubeModel):
     """What the job runs on."""
 
-    accelerator: str = Field(default="cpu", min_length=1, max_length=64)
+    accelerator: str = Field(
+        default="cpu", min_length=1, max_length=63, pattern=kube_values.DNS_LABEL
+    )
     """A TPU slice by device name (v6e-256, v5p-128, v5litepod-8, v4-32, tpu7x-128), a GPU
     type (nvidia-h100-80gb, nvidia-a100-80gb, nvidia-h200-141gb, nvidia-b200, nvidia-l4),
     or cpu."""
@@ -408,10 +451,10 @@ class ResourcesSpec(KubeModel):
     gpus_per_node: int | None = Field(default=None, ge=1, le=16)
     """GPUs per node. Default: the most the GPU type offers in one node."""
 
-    cpu: str | None = Field(default=None, max_length=32)
+    cpu: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
     """CPU request of each trainer container, e.g. "8"."""
 
-    memory: str | None = Field(default=None, max_length=32)
+    memory: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
     """Memory request of each trainer container, e.g. "64Gi"."""
 
     pathways: PathwaysSpec = Field(default_factory=PathwaysSpec)
@@ -421,15 +464,21 @@ class ResourcesSpec(KubeModel):
 class SchedulingSpec(KubeModel):
     """Queueing, priority and restarts."""
 
-    queue: str | None = Field(default=None, max_length=63)
+    queue: str | None = Field(
+        default=None, max_length=kube_values.LABEL_VALUE_MAX, pattern=kube_values.DNS_SUBDOMAIN
+    )
     """Kueue LocalQueue name; the JobSet waits (phase Queued) until Kueue admits it."""
 
-    priority_class: str | None = Field(default=None, max_length=NAME_MAX)
+    priority_class: PriorityClassName | None = Field(
+        default=None, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN
+    )
     """PriorityClass (scheduling.k8s.io) of the job's pods: the scheduler may preempt
     lower-priority pods for them, and Kueue takes the job's priority from it unless
     workloadPriorityClass is set. It must exist."""
 
-    workload_priority_class: str | None = Field(default=None, max_length=63)
+    workload_priority_class: str | None = Field(
+        default=None, max_length=kube_values.LABEL_VALUE_MAX, pattern=kube_values.DNS_SUBDOMAIN
+    )
     """Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the job's
     priority in Kueue's queueing and preemption, without changing the pods' priority. It
     must exist."""
@@ -442,17 +491,19 @@ class SchedulingSpec(KubeModel):
     """Suspend the job (its pods are removed); set back to false to resume from the last
     checkpoint."""
 
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=INT32_MAX)
     """Delete the JobSet (not the PostTrainJob) this long after it finishes."""
 
 
 class SecretKeyRef(KubeModel):
     """A key of a Secret in the job's namespace."""
 
-    name: str = Field(min_length=1, max_length=NAME_MAX)
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN)
     """Secret name."""
 
-    key: str = Field(default="token", min_length=1, max_length=NAME_MAX)
+    key: str = Field(
+        default="token", min_length=1, max_length=NAME_MAX, pattern=r"^[-._a-zA-Z0-9]+$"
+    )
     """Key within the Secret."""
 
 
@@ -499,7 +550,7 @@ class PostTrainJobSpec(KubeModel):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     """Queueing, priority and restarts."""
 
-    image: str | None = Field(default=None, max_length=URI_MAX)
+    image: ImageReference | None = Field(default=None, max_length=URI_MAX)
     """Trainer image. Default: the operator's configured trainer image."""
 
     hf_token_secret: SecretKeyRef | None = Field(default=None, alias="hfTokenSecret")

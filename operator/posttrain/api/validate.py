@@ -1,25 +1,37 @@
 """Validate a PostTrainJob document and report every error with its field path.
 
-`validate(doc)` is what `posttrain validate`, `posttrain run` and the admission webhook
-call. It combines the schema (pydantic), the cross-field rules (also in the CRD as CEL),
-and the checks CEL cannot express: the accelerator catalog and name-length limits.
+`validate(doc)` is what `posttrain validate`, `posttrain run`, the trainer and the
+admission webhook call, so they accept and refuse the same documents as the API server
+with the webhook on. It combines the schema (pydantic, read as strictly as the CRD: no
+coercion of quoted numbers or booleans, camelCase names only, finite numbers), the
+cross-field rules (also in the CRD as CEL), and the checks CEL cannot express: the
+accelerator catalog, derived name lengths, locations, user regexes, LoRA module names,
+how the batch splits over hosts, and whether the job fits in accelerator memory.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from posttrain import catalog
-from posttrain.api import rules
+from posttrain import capacity, catalog
+from posttrain.api import batching, kube_values, lora_modules, model_shapes, rules
+from posttrain.api.documents import DocumentError, read_documents
+from posttrain.api.locations import mount_path_error
 from posttrain.api.spec import API_VERSION, KIND, PostTrainJob
 
-DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ESCAPED = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: str) -> str:
+    """`text` with control and bidirectional characters escaped (\\n, \\x1b, \\u202e), so
+    that user input echoed in a message cannot forge lines or reorder them."""
+    return _ESCAPED.sub(lambda m: m.group(0).encode("unicode_escape").decode(), text)
 
 
 @dataclass(frozen=True)
@@ -28,16 +40,17 @@ class FieldError:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+        return f"{printable(self.field)}: {printable(self.message)}"
 
 
 class InvalidJob(ValueError):
-    """A PostTrainJob that cannot run; `errors` names every bad field."""
+    """A PostTrainJob that cannot run; `errors` names every bad field. Its message has
+    one line per error: `source: field: message`."""
 
     def __init__(self, errors: list[FieldError], source: str = "PostTrainJob"):
         self.errors = errors
-        lines = "\n".join(f"  {e}" for e in errors)
-        super().__init__(f"{source} is invalid:\n{lines}")
+        self.source = source
+        super().__init__("\n".join(f"{printable(source)}: {e}" for e in errors))
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -55,18 +68,89 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     out = []
     for e in err.errors():
-        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
         out.append(FieldError(_loc_to_path(e["loc"]), msg))
     return out
 
 
+def _hosts_and_devices(job: PostTrainJob, placement: catalog.Placement) -> tuple[int, int]:
+    res = job.spec.resources
+    if res.pathways.enabled:  # one Pathways client process drives every device
+        return 1, 1
+    if placement.is_tpu:
+        hosts = placement.hosts * res.slices
+        return hosts, hosts * placement.devices_per_host
+    return res.nodes, res.nodes * max(placement.devices_per_host, 1)
+
+
+def _columns_errors(job: PostTrainJob) -> list[FieldError]:
+    """A column may play one role only (chosen and rejected from one column is no
+    preference, prompt and completion from one column trains nothing)."""
+    cols = job.spec.data.columns
+    roles = {
+        "dpo": ("prompt", "chosen", "rejected"),
+        "grpo": ("prompt", "answer"),
+        "sft": ("prompt", "completion"),
+        "distill": ("prompt", "completion"),
+    }[job.spec.technique]
+    seen: dict[str, str] = {}
+    errors = []
+    for role in roles:
+        name = getattr(cols, role)
+        if name in seen:
+            errors.append(
+                FieldError(
+                    f"spec.data.columns.{role}",
+                    f"column {name!r} is already spec.data.columns.{seen[name]}; "
+                    "each role needs its own column",
+                )
+            )
+        seen.setdefault(name, role)
+    return errors
+
+
+def _lora_errors(job: PostTrainJob) -> list[FieldError]:
+    spec = job.spec
+    if spec.lora is None:
+        return []
+    errors = []
+    family, targets = spec.model.family, spec.lora.target_modules
+    if targets and (unknown := lora_modules.unknown_names(family, targets)):
+        names = ", ".join(map(repr, unknown))
+        errors.append(
+            FieldError("spec.lora.targetModules", f"{family} models have no module named {names}")
+        )
+    hidden = model_shapes.hidden_size(spec.model.source)
+    if hidden is not None and spec.lora.rank > hidden:
+        errors.append(
+            FieldError(
+                "spec.lora.rank",
+                f"rank {spec.lora.rank} is above the hidden size of this model ({hidden}); "
+                "an adapter that large is no low-rank adapter",
+            )
+        )
+    return errors
+
+
 def semantic_errors(job: PostTrainJob) -> list[FieldError]:
-    """Checks beyond the schema: cross-field rules, the catalog, derived name lengths."""
+    """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
+    columns, LoRA, mounts, the batch split and the memory estimate."""
     from posttrain.render.names import NameTooLong, check_name_lengths
 
     spec = job.spec
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
+    errors += _columns_errors(job) + _lora_errors(job)
+    if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
+        errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
     res = spec.resources
+    if re.search(r"-0[0-9]", res.accelerator):
+        errors.append(
+            FieldError("spec.resources.accelerator", f"{res.accelerator!r}: no leading zeros")
+        )
+        return errors
     try:
         placement = catalog.resolve(
             res.accelerator, res.topology, res.gpus_per_node, res.machine_type
@@ -75,20 +159,45 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
         field = "spec.resources.topology" if res.topology and "topology" in str(e) else None
         errors.append(FieldError(field or "spec.resources.accelerator", str(e)))
         return errors
-    if not DNS1035.match(job.metadata.name) or len(job.metadata.name) > 63:
+    name = job.metadata.name
+    if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
         errors.append(
             FieldError(
                 "metadata.name",
-                f"{job.metadata.name!r} must be a DNS label: at most 63 lowercase letters, "
+                f"{name!r} must be a DNS label: at most 63 lowercase letters, "
                 "digits and '-', starting with a letter (it names the JobSet and its Service)",
             )
         )
     else:
         try:
-            check_name_lengths(job.metadata.name, spec, placement)
+            check_name_lengths(name, spec, placement)
         except NameTooLong as e:
             errors.append(FieldError("metadata.name", str(e)))
+    hosts, devices = _hosts_and_devices(job, placement)
+    generations = spec.grpo.num_generations if spec.grpo else 1
+    if problem := batching.batch_split_error(
+        spec.training.batch_size, spec.training.gradient_accumulation, hosts, devices, generations
+    ):
+        errors.append(FieldError("spec.training.batchSize", problem))
+    estimate = capacity.estimate(spec, placement)
+    if estimate is not None and not estimate.fits:
+        errors.append(
+            FieldError(
+                "spec.resources.accelerator",
+                f"the job does not fit: {estimate.explain()}; use LoRA, a larger slice, "
+                "more slices or nodes, or a smaller batchSize/maxLength",
+            )
+        )
     return errors
+
+
+def _as_json(doc: Any) -> str | None:
+    """The document as the JSON kubectl would send (None when YAML-only values, such as
+    binary data or sets, have no JSON form)."""
+    try:
+        return json.dumps(doc, allow_nan=True)
+    except (TypeError, ValueError):
+        return None
 
 
 def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
@@ -101,9 +210,11 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
         errors.append(FieldError("apiVersion", f"must be {API_VERSION}"))
     if doc.get("kind") != KIND:
         errors.append(FieldError("kind", f"must be {KIND}"))
-    body = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind")}
+    body = _as_json({k: v for k, v in doc.items() if k not in ("apiVersion", "kind")})
+    if body is None:
+        return None, errors + [FieldError("(document)", "holds values JSON cannot carry")]
     try:
-        job = PostTrainJob.model_validate(body)
+        job = PostTrainJob.model_validate_json(body, strict=True, by_alias=True, by_name=False)
     except ValidationError as e:
         return None, errors + _pydantic_errors(e)
     return job, errors + semantic_errors(job)
@@ -122,24 +233,49 @@ def immutable_changes(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> lis
     return errors
 
 
-def load_documents(path: str | Path) -> list[dict[str, Any]]:
-    """Every non-empty YAML document in a file."""
-    text = Path(path).read_text()
+def load_documents(path: str | Path) -> list[Any]:
+    """Every non-empty YAML document in a file (InvalidJob naming the file when it is
+    not readable YAML within posttrain.api.documents' limits)."""
     try:
-        return [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
+        return read_documents(path)
+    except DocumentError as e:
         raise InvalidJob([FieldError("(yaml)", str(e))], str(path)) from e
 
 
-def load_job(path: str | Path) -> PostTrainJob:
-    """Read one PostTrainJob from a YAML file; raise InvalidJob naming every bad field."""
-    docs = [d for d in load_documents(path) if d.get("kind") == KIND] or load_documents(path)
-    if len(docs) != 1:
+def _override(doc: Any, overrides: dict[str, Any]) -> None:
+    """Set dotted spec paths (spec.training.steps) in a document before it is validated."""
+    for path, value in overrides.items():
+        node = doc
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+
+
+def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> PostTrainJob:
+    """Read one PostTrainJob from a YAML file, with `overrides` (dotted paths, e.g. from
+    command-line flags) applied before it is validated; raise InvalidJob naming every
+    bad field."""
+    docs = load_documents(path)
+    if bad := [i for i, d in enumerate(docs, 1) if not isinstance(d, dict)]:
         raise InvalidJob(
-            [FieldError("(document)", f"expected one PostTrainJob, found {len(docs)}")],
+            [
+                FieldError(f"(document {i})", "expected a mapping (a Kubernetes object)")
+                for i in bad
+            ],
             str(path),
         )
-    job, errors = validate(docs[0])
+    jobs = [d for d in docs if d.get("kind") == KIND] or docs
+    if len(jobs) != 1:
+        raise InvalidJob(
+            [FieldError("(document)", f"expected one PostTrainJob, found {len(jobs)}")],
+            str(path),
+        )
+    if overrides and isinstance(jobs[0], dict):
+        _override(jobs[0], overrides)
+    job, errors = validate(jobs[0])
     if errors:
         raise InvalidJob(errors, str(path))
     assert job is not None

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from posttrain.api.batching import batch_split_error
 from posttrain.trainer import storage
 from posttrain.trainer.chat_template import (
     ChatTemplate,
@@ -937,17 +938,10 @@ class DataLoader:
         B, P = self.batch_size, self.process_count
         if not 0 <= self.process_index < P:
             raise ValueError(f"process_index {self.process_index} not in [0, {P})")
-        if B < 1 or B % P:
-            raise DataError(
-                f"spec.training.batchSize ({B}) must be a multiple of the number of "
-                f"hosts ({P}), so that every host gets the same number of rows per step"
-            )
-        if (B // P) % self.gradient_accumulation:
-            raise DataError(
-                f"the per-host batch (spec.training.batchSize {B} / {P} hosts = {B // P}) "
-                f"must be a multiple of spec.training.gradientAccumulation "
-                f"({self.gradient_accumulation})"
-            )
+        if B < 1:
+            raise DataError(f"spec.training.batchSize ({B}) must be at least 1")
+        if problem := batch_split_error(B, self.gradient_accumulation, P):
+            raise DataError(problem)
         if len(self.rows) < B:
             raise DataError(
                 f"the dataset has {len(self.rows)} rows (after packing), fewer than "

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import PostTrainJob
 from posttrain.trainer import data, lora, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
@@ -125,10 +126,7 @@ def _global_batch(
     elif jax.process_count() == 1:
         spec = jax.sharding.PartitionSpec()
     else:
-        raise ValueError(
-            f"spec.training.batchSize: {rows} rows per step do not split over the {devices} "
-            f"devices of {jax.process_count()} hosts; use a multiple of {devices}"
-        )
+        raise ValueError(batch_split_error(rows, 1, jax.process_count(), devices))
     sharding = jax.sharding.NamedSharding(mesh, spec)
     return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
 

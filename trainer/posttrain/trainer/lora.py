@@ -38,6 +38,7 @@ from tunix.models.qwen2 import model as qwen2_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
 from posttrain.api import lora_modules
+from posttrain.api.patterns import compile_user_regex
 from posttrain.trainer import models
 
 TARGET_FIELD = "spec.lora.targetModules"
@@ -129,12 +130,7 @@ def resolve_targets(
         if target_modules.strip() == "all-linear":
             return default_lora_targets(family)
         if not _NAME_LIST.fullmatch(target_modules):
-            try:
-                re.compile(target_modules)
-            except re.error as e:
-                raise ValueError(
-                    f"{TARGET_FIELD}: {target_modules!r} is not a valid regex: {e}"
-                ) from e
+            compile_user_regex(target_modules, TARGET_FIELD)
             return target_modules
         names = [n.strip() for n in target_modules.split(",")]
     else:

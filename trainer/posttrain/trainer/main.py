@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 65 (USER_ERROR_EXIT_CODE) an error in the job's own input, which the
 JobSet does not retry; 143 stopped by SIGTERM after saving a checkpoint (the JobSet
-restarts the job, which resumes from it); anything else is a crash worth a restart.
+restarts the job, which resumes from it); 75 the Pathways proxy did not answer (see
+`posttrain.trainer.pathways`); anything else is a crash worth a restart.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _run(job: PostTrainJob, show_bar: bool) -> int:
-    from posttrain.trainer import distributed
+    from posttrain.trainer import distributed, pathways
 
+    try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
+        pathways.initialize()
+    except pathways.ProxyUnreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
     info = distributed.process_info()
     distributed.initialize(info)
     from posttrain.trainer.loop import StopFlag, train
@@ -74,14 +80,11 @@ def train_command(args: argparse.Namespace) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """On one machine: the same PostTrainJob YAML, with a progress bar."""
     _setup_logging()
+    overrides = {"spec.output.uri": args.output, "spec.training.steps": args.steps}
     try:
-        job = load_job(args.file)
+        job = load_job(args.file, {k: v for k, v in overrides.items() if v is not None})
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    if args.output:
-        job.spec.output.uri = args.output
-    if args.steps:
-        job.spec.training.steps = args.steps
     print(f"posttrain: training {job.metadata.name} -> {job.spec.output.uri}", file=sys.stderr)
     return _run(job, show_bar=True)

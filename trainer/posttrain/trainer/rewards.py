@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from posttrain.api.patterns import compile_user_regex
 from posttrain.api.spec import GrpoSpec, RewardSpec
 
 RewardFn = Callable[..., list[float]]
@@ -114,10 +115,7 @@ def build_reward(
     elif kind == "regexFormat":
         if not spec.pattern:
             raise ValueError(f"{field}.pattern: a regexFormat reward needs pattern")
-        try:
-            pattern = re.compile(spec.pattern, re.DOTALL)
-        except re.error as e:
-            raise ValueError(f"{field}.pattern: not a valid regular expression: {e}") from e
+        pattern = compile_user_regex(spec.pattern, f"{field}.pattern", re.DOTALL)
 
         def reward(prompts, completions, **kwargs):
             return [weight * r for r in regex_format(completions, pattern)]

@@ -1,0 +1,660 @@
+"""Hostile PostTrainJobs: what a careless or malicious user might submit.
+
+Shared by the unit tier (`posttrain validate` must refuse each, naming `field`) and the
+integration tier (the real API server with the CRD and the admission webhook must agree
+with validate case by case: the same accept/refuse, the same field named). A case with
+field None is a valid job at an edge, which both must accept.
+
+A case is a change to a valid job (`mutate`) or, for what only YAML can say (merge
+keys, quoted scalars, anchors), the YAML text itself (`text`), which the integration
+tier sends through kubectl as is.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.api.documents import parse_documents
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def valid_job(name: str = "hostile") -> dict[str, Any]:
+    return {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": "/models/tiny"},
+            "data": {"source": "/data/train.jsonl"},
+            "output": {"uri": "/outputs/run"},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Hostile:
+    id: str
+    field: str | None  # the field the error names; None: a valid job both must accept
+    mutate: Mutation | None = None
+    text: str | None = None  # YAML for cases only YAML can express; NAME is replaced
+
+    def doc(self, name: str = "hostile") -> Any:
+        if self.text is not None:
+            (doc,) = parse_documents(self.yaml(name).encode())
+            return doc
+        d = copy.deepcopy(valid_job(name))
+        assert self.mutate is not None
+        self.mutate(d)
+        return d
+
+    def yaml(self, name: str = "hostile") -> str:
+        assert self.text is not None
+        return self.text.replace("NAME", name)
+
+
+def put(path: str, value: Any) -> Mutation:
+    """Set a dotted path under the document (creating mappings on the way)."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    return mutate
+
+
+def both(*mutations: Mutation) -> Mutation:
+    def mutate(doc: dict[str, Any]) -> None:
+        for m in mutations:
+            m(doc)
+
+    return mutate
+
+
+def grpo(*rewards: dict[str, Any], **settings: Any) -> Mutation:
+    return both(
+        put("spec.technique", "grpo"),
+        put("spec.grpo", {"rewards": list(rewards) or [{"type": "exactAnswer"}], **settings}),
+    )
+
+
+def regex_reward(pattern: str) -> Mutation:
+    return grpo({"type": "regexFormat", "pattern": pattern})
+
+
+def lora(**settings: Any) -> Mutation:
+    return put("spec.lora", settings)
+
+
+def tpu(accelerator: str, **resources: Any) -> Mutation:
+    return put("spec.resources", {"accelerator": accelerator, **resources})
+
+
+H = Hostile
+MODEL, DATA, OUT = "spec.model.source", "spec.data.source", "spec.output.uri"
+BATCH, STEPS = "spec.training.batchSize", "spec.training.steps"
+TARGETS, PATTERN = "spec.lora.targetModules", "spec.grpo.rewards[0].pattern"
+ACCEL, SCHED = "spec.resources.accelerator", "spec.scheduling"
+
+HEADER = """apiVersion: posttrain.dev/v1alpha1
+kind: PostTrainJob
+metadata: {name: NAME}
+"""
+
+CASES: list[Hostile] = [
+    # -- strict types: the CRD coerces nothing, so neither does validate --------------
+    H("steps-quoted", STEPS, put(STEPS, "100")),
+    H("batch-quoted", BATCH, put(BATCH, "8")),
+    H("lr-quoted", "spec.training.learningRate", put("spec.training.learningRate", "1e-4")),
+    H("packing-quoted", "spec.data.packing", put("spec.data.packing", "true")),
+    H("shuffle-yes-string", "spec.data.shuffle", put("spec.data.shuffle", "yes")),
+    H("suspend-int", f"{SCHED}.suspend", put(f"{SCHED}.suspend", 1)),
+    H("async-quoted", "spec.checkpoint.async", put("spec.checkpoint", {"async": "false"})),
+    H("rank-quoted", "spec.lora.rank", lora(rank="16")),
+    H("rank-fraction", "spec.lora.rank", lora(rank=16.5)),
+    H("steps-bool", STEPS, put(STEPS, True)),
+    H("steps-list", STEPS, put(STEPS, [10])),
+    H("steps-null-object", STEPS, put(STEPS, {"value": 10})),
+    H("model-source-int", MODEL, put(MODEL, 42)),
+    H("technique-int", "spec.technique", put("spec.technique", 1)),
+    H("technique-caps", "spec.technique", put("spec.technique", "SFT")),
+    H("dtype-bf16", "spec.model.dtype", put("spec.model.dtype", "bf16")),
+    H("labels-int", "metadata.labels.team", put("metadata.labels", {"team": 7})),
+    H("alpha-string", "spec.lora.alpha", lora(alpha="32")),
+    H("weight-string", "spec.grpo.rewards[0].weight", grpo({"type": "exactAnswer", "weight": "2"})),
+    H("columns-list", "spec.data.columns", put("spec.data.columns", ["prompt"])),
+    H("rewards-object", "spec.grpo.rewards", grpo(rewards={"type": "exactAnswer"})),
+    # -- camelCase only: snake_case is an unknown field to the CRD -------------------
+    H("snake-batch-size", "spec.training.batch_size", put("spec.training.batch_size", 4)),
+    H("snake-learning-rate", "spec.training.learning_rate", put("spec.training.learning_rate", 1)),
+    H("snake-max-length", "spec.data.max_length", put("spec.data.max_length", 64)),
+    H("snake-target-modules", "spec.lora.target_modules", lora(target_modules="q_proj")),
+    H("snake-hf-token", "spec.hf_token_secret", put("spec.hf_token_secret", {"name": "hf"})),
+    H("snake-export", "spec.output.export_hf", put("spec.output.export_hf", "merged")),
+    H("snake-queue-block", f"{SCHED}.max_restarts", put(f"{SCHED}.max_restarts", 1)),
+    H("lower-exporthf", "spec.output.exporthf", put("spec.output.exporthf", "merged")),
+    H("async-underscore", "spec.checkpoint.async_", put("spec.checkpoint", {"async_": True})),
+    H("unknown-top-level", "spec.extra", put("spec.extra", 1)),
+    H(
+        "unknown-nested-reward",
+        "spec.grpo.rewards[0].code",
+        grpo({"type": "python", "function": "m:f", "code": "x"}),
+    ),  # fmt: skip
+    # -- bounds the CRD has, and the ones it lacked ------------------------------------
+    H("steps-2-63", STEPS, put(STEPS, 2**63 - 1)),
+    H("steps-above-max", STEPS, put(STEPS, 10_000_001)),
+    H("batch-zero", BATCH, put(BATCH, 0)),
+    H("batch-negative", BATCH, put(BATCH, -8)),
+    H("warmup-huge", "spec.training.warmupSteps", put("spec.training.warmupSteps", 2**40)),
+    H("seed-2-63", "spec.training.seed", put("spec.training.seed", 2**63 - 1)),
+    H("seed-negative", "spec.training.seed", put("spec.training.seed", -1)),
+    H("log-every-huge", "spec.training.logEverySteps", put("spec.training.logEverySteps", 2**40)),
+    H(
+        "every-steps-huge",
+        "spec.checkpoint.everySteps",
+        put("spec.checkpoint", {"everySteps": 2**40}),
+    ),  # fmt: skip
+    H("keep-huge", "spec.checkpoint.keep", put("spec.checkpoint", {"keep": 100000})),
+    H("lr-huge", "spec.training.learningRate", put("spec.training.learningRate", 1e300)),
+    H("lr-negative", "spec.training.learningRate", put("spec.training.learningRate", -0.1)),
+    H("weight-decay-huge", "spec.training.weightDecay", put("spec.training.weightDecay", 1e9)),
+    H("grad-norm-huge", "spec.training.maxGradNorm", put("spec.training.maxGradNorm", 1e300)),
+    H("grad-norm-negative", "spec.training.maxGradNorm", put("spec.training.maxGradNorm", -1)),
+    H("alpha-huge", "spec.lora.alpha", lora(alpha=1e300)),
+    H("alpha-zero", "spec.lora.alpha", lora(alpha=0)),
+    H("rank-huge", "spec.lora.rank", lora(rank=4096)),
+    H("max-length-huge", "spec.data.maxLength", put("spec.data.maxLength", 2**31)),
+    H(
+        "target-length-huge",
+        "spec.grpo.rewards[0].targetLength",
+        grpo({"type": "lengthPenalty", "targetLength": 2**40}),
+    ),  # fmt: skip
+    H(
+        "reward-weight-huge",
+        "spec.grpo.rewards[0].weight",
+        grpo({"type": "exactAnswer", "weight": 1e308}),
+    ),  # fmt: skip
+    H("generations-one", "spec.grpo.numGenerations", grpo(numGenerations=1)),
+    H("generations-huge", "spec.grpo.numGenerations", grpo(numGenerations=100000)),
+    H("grpo-beta-huge", "spec.grpo.beta", grpo(beta=1e9)),
+    H("grpo-temperature-zero", "spec.grpo.temperature", grpo(temperature=0)),
+    H("grpo-prompt-len-huge", "spec.grpo.maxPromptLength", grpo(maxPromptLength=2**40)),
+    H(
+        "grpo-completion-len-huge", "spec.grpo.maxCompletionLength", grpo(maxCompletionLength=2**40)
+    ),  # fmt: skip
+    H("too-many-rewards", "spec.grpo.rewards", grpo(*[{"type": "exactAnswer"}] * 17)),
+    H(
+        "dpo-beta-huge",
+        "spec.dpo.beta",
+        both(put("spec.technique", "dpo"), put("spec.dpo", {"beta": 1e9})),
+    ),  # fmt: skip
+    H(
+        "dpo-prompt-len-huge",
+        "spec.dpo.maxPromptLength",
+        both(put("spec.technique", "dpo"), put("spec.dpo", {"maxPromptLength": 2**40})),
+    ),  # fmt: skip
+    H(
+        "distill-temperature-huge",
+        "spec.distill.temperature",
+        both(
+            put("spec.technique", "distill"),
+            put("spec.distill", {"teacher": {"source": "/models/t"}, "temperature": 1e9}),
+        ),
+    ),  # fmt: skip
+    H(
+        "distill-alpha-two",
+        "spec.distill.alpha",
+        both(
+            put("spec.technique", "distill"),
+            put("spec.distill", {"teacher": {"source": "/models/t"}, "alpha": 2}),
+        ),
+    ),  # fmt: skip
+    H("max-restarts-huge", f"{SCHED}.maxRestarts", put(f"{SCHED}.maxRestarts", 2**40)),
+    H(
+        "ttl-beyond-int32",
+        f"{SCHED}.ttlSecondsAfterFinished",
+        put(f"{SCHED}.ttlSecondsAfterFinished", 2**40),
+    ),  # fmt: skip
+    H(
+        "ttl-negative",
+        f"{SCHED}.ttlSecondsAfterFinished",
+        put(f"{SCHED}.ttlSecondsAfterFinished", -1),
+    ),  # fmt: skip
+    H("ttl-int32-max", None, put(f"{SCHED}.ttlSecondsAfterFinished", 2**31 - 1)),
+    H("slices-huge", "spec.resources.slices", tpu("v6e-8", slices=65)),
+    H("nodes-huge", "spec.resources.nodes", put("spec.resources", {"nodes": 100000})),
+    H("gpus-zero", "spec.resources.gpusPerNode", tpu("nvidia-l4", gpusPerNode=0)),
+    H("source-too-long", MODEL, put(MODEL, "/models/" + "a" * 3000)),
+    H("regex-too-long", TARGETS, lora(targetModules="a" * 2000)),
+    H("name-254-chars", "metadata.name", put("metadata.name", "a" * 254)),
+    # -- names --------------------------------------------------------------------------
+    H("name-trailing-newline", "metadata.name", put("metadata.name", "adv-nl\n")),
+    H("name-uppercase", "metadata.name", put("metadata.name", "Bad-Name")),
+    H("name-with-dot", "metadata.name", put("metadata.name", "a.b")),
+    H("name-starts-with-digit", "metadata.name", put("metadata.name", "1abc")),
+    H("name-64-chars", "metadata.name", put("metadata.name", "a" * 64)),
+    H("name-unicode", "metadata.name", put("metadata.name", "jöb")),
+    H("name-ends-with-dash", "metadata.name", put("metadata.name", "job-")),
+    # -- user regexes: compiled, and bounded (nested quantifiers, repeat counts) --------
+    H("regex-huge-repeat", TARGETS, lora(targetModules="a{4294967296}")),
+    H("regex-thousand-groups", TARGETS, lora(targetModules="(" * 1000)),
+    H("regex-deep-groups", TARGETS, lora(targetModules="(" * 200 + "a" + ")" * 200)),
+    H("regex-unclosed-group", TARGETS, lora(targetModules="q_proj(")),
+    H("regex-nested-plus", TARGETS, lora(targetModules="(a+)+$")),
+    H("regex-nested-star", TARGETS, lora(targetModules="(.*)*q_proj")),
+    H("regex-optional-repeat", TARGETS, lora(targetModules="(?:a?){40}a{40}")),
+    H("regex-bad-escape", TARGETS, lora(targetModules="q_proj\\")),
+    H("regex-bad-range", TARGETS, lora(targetModules="[z-a]")),
+    H("regex-bad-lookbehind", TARGETS, lora(targetModules="(?<=a+)b")),
+    H("regex-empty", TARGETS, lora(targetModules="")),
+    H("regex-big-count", TARGETS, lora(targetModules="x{1001}")),
+    H("regex-ok-path", None, lora(targetModules="layers/[0-9]+/attn/(q_proj|v_proj)")),
+    H("reward-catastrophic", PATTERN, regex_reward("^(a|a?)+$")),
+    H("reward-nested-quantifier", PATTERN, regex_reward("(x+x+)+y")),
+    H("reward-invalid", PATTERN, regex_reward("<answer>(")),
+    H("reward-huge-repeat", PATTERN, regex_reward("a{99999999999}")),
+    H("reward-ok", None, regex_reward(r"<answer>\s*-?[0-9]+\s*</answer>")),
+    H(
+        "lora-unknown-module",
+        TARGETS,
+        both(put("spec.model.family", "gemma3"), lora(targetModules="q_proj,query_key_value")),
+    ),  # fmt: skip
+    # -- locations: parsed, per field ---------------------------------------------------
+    H("hf-credentials", MODEL, put(MODEL, "hf://user:hf_TOKEN@org/name")),
+    H("hf-token-user", MODEL, put(MODEL, "hf://hf_abcdef@org/name")),
+    H("gs-credentials", DATA, put(DATA, "gs://key:secret@bucket/data.jsonl")),
+    H("https-credentials", MODEL, put(MODEL, "https://user:pw@huggingface.co/org/name")),
+    H("hf-no-org", MODEL, put(MODEL, "hf://name-only")),
+    H("hf-too-deep", MODEL, put(MODEL, "hf://org/name/extra")),
+    H("hf-empty", MODEL, put(MODEL, "hf://")),
+    H("hf-query-token", MODEL, put(MODEL, "hf://org/name?token=hf_x")),
+    H("hf-revision-ok", None, put(MODEL, "hf://Qwen/Qwen3-0.6B@main")),
+    H("hf-revision-bad", MODEL, put(MODEL, "hf://org/name@../../x")),
+    H("hf-for-data", DATA, put(DATA, "hf://org/dataset")),
+    H("hf-for-output", OUT, put(OUT, "hf://org/out")),
+    H("file-scheme", MODEL, put(MODEL, "file:///models/tiny")),
+    H("s3-scheme", DATA, put(DATA, "s3://bucket/data.jsonl")),
+    H("http-metadata-server", MODEL, put(MODEL, "http://169.254.169.254/computeMetadata/v1/")),
+    H("http-metadata-name", DATA, put(DATA, "http://metadata.google.internal/x")),
+    H("gs-no-bucket", DATA, put(DATA, "gs:///data.jsonl")),
+    H("gs-empty", OUT, put(OUT, "gs://")),
+    H("gs-ip-bucket", MODEL, put(MODEL, "gs://169.254.169.254/m")),
+    H("gs-metadata-bucket", MODEL, put(MODEL, "gs://metadata.google.internal/m")),
+    H("gs-uppercase-bucket", DATA, put(DATA, "gs://MyBucket/data.jsonl")),
+    H("gs-port", OUT, put(OUT, "gs://bucket:443/out")),
+    H("gs-fragment", OUT, put(OUT, "gs://bucket/out#frag")),
+    H("gs-traversal", OUT, put(OUT, "gs://bucket/a/../../b")),
+    H("gs-ok", None, put(OUT, "gs://my-runs/qwen3/run-1")),
+    H(
+        "data-traversal",
+        DATA,
+        put(DATA, "/data/../var/run/secrets/kubernetes.io/serviceaccount/token"),
+    ),  # fmt: skip
+    H("data-relative-traversal", DATA, put(DATA, "../../etc/passwd")),
+    H("model-dot-segment", MODEL, put(MODEL, "/models/./tiny")),
+    H("model-tilde", MODEL, put(MODEL, "~/models/tiny")),
+    H("nul-in-source", MODEL, put(MODEL, "/models/tiny\x00.bin")),
+    H("newline-in-source", DATA, put(DATA, "/data/train.jsonl\nvalid: true")),
+    H("tab-in-source", DATA, put(DATA, "/data/train\t.jsonl")),
+    H("space-in-source", DATA, put(DATA, "/data/my train.jsonl")),
+    H("rtl-override-in-source", MODEL, put(MODEL, "/models/\u202egpj.exe")),
+    H("zero-width-in-source", MODEL, put(MODEL, "/models/ti\u200bny")),
+    H("esc-in-output", OUT, put(OUT, "/outputs/\x1b[2Jrun")),
+    H("output-root", OUT, put(OUT, "/")),
+    H("output-double-slash", OUT, put(OUT, "//")),
+    H(
+        "output-pvc-token-dir",
+        OUT,
+        put(
+            "spec.output",
+            {
+                "uri": "/var/run/secrets/kubernetes.io/serviceaccount",
+                "persistentVolumeClaim": "outs",
+            },
+        ),
+    ),  # fmt: skip
+    H(
+        "output-pvc-over-config",
+        OUT,
+        put("spec.output", {"uri": "/etc/posttrain", "persistentVolumeClaim": "outs"}),
+    ),  # fmt: skip
+    H(
+        "output-pvc-traversal",
+        OUT,
+        put("spec.output", {"uri": "/outputs/../etc", "persistentVolumeClaim": "outs"}),
+    ),  # fmt: skip
+    H(
+        "output-pvc-proc",
+        OUT,
+        put("spec.output", {"uri": "/proc/self", "persistentVolumeClaim": "outs"}),
+    ),  # fmt: skip
+    H(
+        "output-pvc-ok",
+        None,
+        put("spec.output", {"uri": "/outputs/run", "persistentVolumeClaim": "outs"}),
+    ),  # fmt: skip
+    H(
+        "pvc-bad-name",
+        "spec.output.persistentVolumeClaim",
+        put("spec.output", {"uri": "/outputs", "persistentVolumeClaim": "Outs_1"}),
+    ),  # fmt: skip
+    H(
+        "chat-template-s3",
+        "spec.data.chatTemplate",
+        put("spec.data.chatTemplate", "s3://b/t.jinja"),
+    ),  # fmt: skip
+    H(
+        "restore-from-credentials",
+        "spec.lora.restoreFrom",
+        lora(restoreFrom="hf://u:t@org/adapter"),
+    ),  # fmt: skip
+    H(
+        "teacher-file-scheme",
+        "spec.distill.teacher.source",
+        both(
+            put("spec.technique", "distill"),
+            put("spec.distill", {"teacher": {"source": "file:///t"}}),
+        ),
+    ),  # fmt: skip
+    H(
+        "scratch-not-gs",
+        "spec.resources.pathways.gcsScratchLocation",
+        put(
+            "spec.resources",
+            {
+                "accelerator": "v6e-16",
+                "pathways": {"enabled": True, "gcsScratchLocation": "s3://x"},
+            },
+        ),
+    ),  # fmt: skip
+    H(
+        "scratch-gs-credentials",
+        "spec.resources.pathways.gcsScratchLocation",
+        put(
+            "spec.resources",
+            {
+                "accelerator": "v6e-16",
+                "pathways": {"enabled": True, "gcsScratchLocation": "gs://k:s@bucket/x"},
+            },
+        ),
+    ),  # fmt: skip
+    H("image-with-scheme", "spec.image", put("spec.image", "https://ghcr.io/x/trainer:1")),
+    H("image-with-space", "spec.image", put("spec.image", "trainer:1 --privileged")),
+    H("image-newline", "spec.image", put("spec.image", "trainer:1\nrm")),
+    H("image-ok", None, put("spec.image", "us-docker.pkg.dev/p/r/trainer:1.2.3")),
+    H(
+        "server-image-bad",
+        "spec.resources.pathways.serverImage",
+        put(
+            "spec.resources",
+            {"accelerator": "v6e-16", "pathways": {"enabled": True, "serverImage": "UPPER/Case"}},
+        ),
+    ),  # fmt: skip
+    H(
+        "secret-name-bad",
+        "spec.hfTokenSecret.name",
+        put("spec.hfTokenSecret", {"name": "Bad Name"}),
+    ),  # fmt: skip
+    H(
+        "secret-key-bad",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": "a/b"}),
+    ),  # fmt: skip
+    # -- contradictions known at admission ----------------------------------------------
+    H("batch-vs-v6e-16-hosts", BATCH, both(tpu("v6e-16"), put(BATCH, 6))),
+    H("batch-vs-v5p-128-devices", BATCH, both(tpu("v5p-128"), put(BATCH, 96))),
+    H("batch-vs-multislice", BATCH, both(tpu("v6e-8", slices=2), put(BATCH, 8))),
+    H(
+        "batch-vs-gpu-nodes",
+        BATCH,
+        both(
+            put("spec.resources", {"accelerator": "nvidia-h100-80gb", "nodes": 2}), put(BATCH, 12)
+        ),
+    ),  # fmt: skip
+    H("batch-vs-cpu-nodes", BATCH, both(put("spec.resources", {"nodes": 3}), put(BATCH, 8))),
+    H(
+        "batch-per-host-accumulation",
+        BATCH,
+        both(tpu("v6e-16"), put("spec.training", {"batchSize": 32, "gradientAccumulation": 16})),
+    ),  # fmt: skip
+    H("batch-ok-v6e-16", None, both(tpu("v6e-16"), put(BATCH, 32))),
+    H(
+        "chosen-equals-rejected",
+        "spec.data.columns.rejected",
+        both(
+            put("spec.technique", "dpo"),
+            put("spec.data.columns", {"chosen": "resp", "rejected": "resp"}),
+        ),
+    ),  # fmt: skip
+    H(
+        "prompt-equals-chosen",
+        "spec.data.columns.chosen",
+        both(put("spec.technique", "dpo"), put("spec.data.columns", {"chosen": "prompt"})),
+    ),  # fmt: skip
+    H(
+        "prompt-equals-completion",
+        "spec.data.columns.completion",
+        put("spec.data.columns", {"completion": "prompt"}),
+    ),  # fmt: skip
+    H(
+        "prompt-equals-answer",
+        "spec.data.columns.answer",
+        both(grpo(), put("spec.data.columns", {"answer": "q", "prompt": "q"})),
+    ),  # fmt: skip
+    H("empty-column", "spec.data.columns.prompt", put("spec.data.columns", {"prompt": ""})),
+    H(
+        "system-node-critical",
+        f"{SCHED}.priorityClass",
+        put(f"{SCHED}.priorityClass", "system-node-critical"),
+    ),  # fmt: skip
+    H(
+        "system-cluster-critical",
+        f"{SCHED}.priorityClass",
+        put(f"{SCHED}.priorityClass", "system-cluster-critical"),
+    ),  # fmt: skip
+    H(
+        "priority-class-bad-name",
+        f"{SCHED}.priorityClass",
+        put(f"{SCHED}.priorityClass", "High Priority"),
+    ),  # fmt: skip
+    H("queue-not-label-value", f"{SCHED}.queue", put(f"{SCHED}.queue", "team a/queue")),
+    H("queue-too-long", f"{SCHED}.queue", put(f"{SCHED}.queue", "q" * 64)),
+    H("queue-newline", f"{SCHED}.queue", put(f"{SCHED}.queue", "team\n")),
+    H(
+        "kueue-priority-bad",
+        f"{SCHED}.workloadPriorityClass",
+        put(f"{SCHED}.workloadPriorityClass", "-high-"),
+    ),
+    H(
+        "kueue-priority-long",
+        f"{SCHED}.workloadPriorityClass",
+        put(f"{SCHED}.workloadPriorityClass", "p" * 64),
+    ),
+    H("queue-ok", None, put(SCHED, {"queue": "team-a", "suspend": True})),
+    H("accelerator-leading-zero", ACCEL, tpu("v6e-08")),
+    H("accelerator-uppercase", ACCEL, tpu("V6E-8")),
+    H("accelerator-newline", ACCEL, tpu("v6e-8\n")),
+    H("accelerator-spaces", ACCEL, tpu(" v6e-8")),
+    H("accelerator-unknown-gpu", ACCEL, tpu("nvidia-h900")),
+    H("accelerator-empty", ACCEL, tpu("")),
+    H("cpu-lots", "spec.resources.cpu", put("spec.resources", {"cpu": "lots"})),
+    H("cpu-negative", "spec.resources.cpu", put("spec.resources", {"cpu": "-2"})),
+    H("cpu-zero", "spec.resources.cpu", put("spec.resources", {"cpu": "0"})),
+    H("cpu-number", "spec.resources.cpu", put("spec.resources", {"cpu": 8})),
+    H("memory-lots", "spec.resources.memory", put("spec.resources", {"memory": "lots"})),
+    H("memory-negative", "spec.resources.memory", put("spec.resources", {"memory": "-64Gi"})),
+    H("memory-bad-suffix", "spec.resources.memory", put("spec.resources", {"memory": "64GB"})),
+    H("memory-ok", None, put("spec.resources", {"cpu": "500m", "memory": "1.5Gi"})),
+    H(
+        "lora-rank-above-hidden",
+        "spec.lora.rank",
+        both(put(MODEL, "hf://HuggingFaceTB/SmolLM2-135M-Instruct"), lora(rank=1024)),
+    ),  # fmt: skip
+    H("lora-rank-ok-unknown-model", None, lora(rank=1024)),
+    H("does-not-fit", ACCEL, both(put(MODEL, "gs://models/Llama-3.1-70B"), tpu("v6e-8"))),
+    H("topology-trailing-newline", "spec.resources.topology", tpu("v6e-16", topology="4x4\n")),
+    H("gpus-on-cpu", "spec.resources.gpusPerNode", put("spec.resources", {"gpusPerNode": 2})),
+    H(
+        "warmup-equals-steps",
+        "spec.training.warmupSteps",
+        put("spec.training", {"steps": 5, "warmupSteps": 5}),
+    ),  # fmt: skip
+    # -- control characters in what is echoed ------------------------------------------
+    H("unknown-key-escape", "spec.x\x1b[0m\nvalid", put("spec.x\x1b[0m\nvalid", 1)),
+    H("unknown-key-rtl", "spec.\u202edilav", put("spec.\u202edilav", 1)),
+    H(
+        "reward-function-newline",
+        "spec.grpo.rewards[0].function",
+        grpo({"type": "python", "function": "m:f\n"}),
+    ),  # fmt: skip
+    # -- YAML that kubectl and validate must read alike ----------------------------------
+    H(
+        "yaml-merge-key-later-wins",
+        STEPS,
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {steps: 10, <<: {steps: 0}}
+""",
+    ),
+    H(
+        "yaml-merge-key-explicit-after",
+        None,
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {<<: {steps: 0}, steps: 10}
+""",
+    ),
+    H(
+        "yaml-merge-anchor",
+        "spec.training.everySteps",
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  checkpoint: &b {everySteps: 5}
+  training: {<<: *b}
+""",
+    ),
+    H(
+        "yaml-quoted-number",
+        BATCH,
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {batchSize: "16"}
+""",
+    ),
+    H(
+        "yaml-yes-is-bool",
+        "spec.model.source",
+        text=HEADER
+        + """spec:
+  model: {source: yes}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+""",
+    ),
+    H(
+        "yaml-null-source",
+        "spec.model.source",
+        text=HEADER
+        + """spec:
+  model: {source: ~}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+""",
+    ),
+    H(
+        "yaml-nan",
+        "spec.training.learningRate",
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {learningRate: .nan}
+""",
+    ),
+    H(
+        "yaml-inf",
+        "spec.lora.alpha",
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  lora: {alpha: .inf}
+""",
+    ),
+    H(
+        "yaml-negative-inf",
+        "spec.grpo.rewards[0].weight",
+        text=HEADER
+        + """spec:
+  technique: grpo
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  grpo: {rewards: [{type: exactAnswer, weight: -.inf}]}
+""",
+    ),
+    H(
+        "yaml-sexagesimal",
+        "spec.training.steps",
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {steps: 1:30}
+""",
+    ),
+    H(
+        "yaml-timestamp-string",
+        None,
+        text=HEADER
+        + """spec:
+  model: {source: 2001-12-14}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+""",
+    ),
+    H(
+        "yaml-octal-ok",
+        None,
+        text=HEADER
+        + """spec:
+  model: {source: /models/tiny}
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+  training: {steps: 0755}
+""",
+    ),
+    H(
+        "yaml-anchor-reuse-ok",
+        None,
+        text=HEADER
+        + """spec:
+  model: &m {source: /models/tiny}
+  distill: {teacher: *m}
+  technique: distill
+  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+""",
+    ),
+]

@@ -1,0 +1,24 @@
+"""posttrain validate against the hostile corpus: every bad job refused with the field
+named, every edge-case valid job accepted, nothing raised."""
+
+import pytest
+from hostile_jobs import CASES
+
+from posttrain.api.validate import validate
+
+
+def test_corpus_is_large_and_ids_unique():
+    assert len(CASES) >= 150
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_validate_agrees_with_the_corpus(case):
+    _, errors = validate(case.doc())
+    if case.field is None:
+        assert errors == [], [str(e) for e in errors]
+        return
+    assert errors, f"{case.id} was accepted"
+    assert case.field in {e.field for e in errors}, [str(e) for e in errors]
+    for e in errors:  # what is echoed cannot forge lines or reorder text
+        assert "\n" not in str(e) and "\x1b" not in str(e) and "\u202e" not in str(e)
