@@ -234,13 +234,6 @@ def test_mesh_axes_that_do_not_divide_a_dimension_are_dropped():
     assert models._fit_spec(("sp",), (8,), mesh) == (None,)
 
 
-def test_make_mesh():
-    mesh = models.make_mesh()
-    assert mesh.axis_names == ("fsdp", "tp")
-    with pytest.raises(ValueError, match="needs 6 devices"):
-        models.make_mesh(3, 2)
-
-
 def test_gemma3_multimodal_layout(loaded, tmp_path):
     """Gemma 3 4B+ checkpoints (Gemma3ForConditionalGeneration) nest the text config and
     prefix the decoder's tensors; the text model loads from them, and exports as

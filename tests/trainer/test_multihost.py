@@ -2,7 +2,9 @@
 configured through the same environment variables the renderer puts into JobSet pods,
 match the loss curve of 1 process x 4 devices. The 2 processes read the model from and
 write their checkpoints to gs:// (a real GCS-compatible server), and resume from there
-bitwise identically."""
+bitwise identically. As 2 slices of one host each (the MEGASCALE_* variables of a
+multi-slice JobSet; see posttrain.trainer.mesh), the 2 processes train data parallel
+over the slices, each holding a whole model, and match the 1-process run too."""
 
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("JAX_", "POSTTRAIN_JOB")) or "CACHE" in k  # keep the compile cache
+        if not k.startswith(("JAX_", "POSTTRAIN_JOB", "MEGASCALE_"))
+        or "CACHE" in k  # keep the compile cache
     }
     return {
         **env,
@@ -78,15 +81,23 @@ def _run(job: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _two_hosts(job: Path) -> list[subprocess.Popen]:
-    # What a 2-host slice pod gets from the rendered JobSet (see posttrain.render.jobset).
+def _two_hosts(job: Path, slices: int = 1) -> list[subprocess.Popen]:
+    # What the 2 pods of a job get from the rendered JobSet (see posttrain.render.jobset):
+    # 1 slice of 2 hosts, or 2 slices of 1 host with the MEGASCALE_* of a multi-slice job.
+    hosts = 2 // slices
     pod_env = {
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}",
         "JAX_NUM_PROCESSES": "2",
-        "POSTTRAIN_JOB_INDEX": "0",
-        "POSTTRAIN_PODS_PER_JOB": "2",
+        "POSTTRAIN_PODS_PER_JOB": str(hosts),
     }
-    return [_run(job, _env(2, **pod_env, JOB_COMPLETION_INDEX=str(i))) for i in range(2)]
+    procs = []
+    for process in range(2):
+        job_index, index = divmod(process, hosts)
+        env = {**pod_env, "POSTTRAIN_JOB_INDEX": str(job_index), "JOB_COMPLETION_INDEX": str(index)}
+        if slices > 1:
+            env.update(MEGASCALE_NUM_SLICES=str(slices), MEGASCALE_SLICE_ID=str(job_index))
+        procs.append(_run(job, _env(2, **env)))
+    return procs
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[str]:
@@ -110,12 +121,7 @@ def test_two_processes_match_one(tmp_path: Path):
             fetched, total = map(int, re.search(r"fetched (\d+) of the (\d+) bytes", log).groups())
             assert fetched < total, log
         multi_out = storage.download_dir(multi_uri, tmp_path / "multi")
-        a = scalars(tmp_path / "single" / "tensorboard")["train/loss"]
-        b = scalars(multi_out / "tensorboard")["train/loss"]
-        assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a, b)
-        assert a[6] < a[1]
+        _assert_same_losses(tmp_path / "single", multi_out)
         exported = (multi_out / "hf" / "adapter_model.safetensors").read_bytes()
 
         # Both hosts restart after step 3 and restore their shards from gs://.
@@ -125,6 +131,26 @@ def test_two_processes_match_one(tmp_path: Path):
         assert all("resumed from checkpoint step 3" in log for log in logs), logs
         again = storage.read_bytes(f"{multi_uri}/hf/adapter_model.safetensors")
         assert again == exported
+
+
+def _assert_same_losses(single: Path, multi: Path) -> None:
+    a = scalars(single / "tensorboard")["train/loss"]
+    b = scalars(multi / "tensorboard")["train/loss"]
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a, b)
+    assert a[6] < a[1]
+
+
+def test_two_slices_match_one(tmp_path: Path):
+    model = make_tiny_llama(tmp_path / "model")
+    single = _job(tmp_path, model, tmp_path / "single")
+    sliced = _job(tmp_path, model, tmp_path / "sliced")
+    logs = _finish([_run(single, _env(4)), *_two_hosts(sliced, slices=2)])
+    assert "mesh dp=1 x fsdp=4 x tp=1" in logs[0]
+    for i, log in enumerate(logs[1:]):  # data parallel over the 2 slices, FSDP inside each
+        assert f"process {i} of 2" in log and "mesh dp=2 x fsdp=2 x tp=1" in log, log
+    _assert_same_losses(tmp_path / "single", tmp_path / "sliced")
 
 
 def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path):

@@ -49,6 +49,7 @@ from tunix.models.qwen3 import model as qwen3_lib
 
 from posttrain.trainer import storage
 from posttrain.trainer.gcs_safetensors import GcsSafetensors
+from posttrain.trainer.mesh import make_mesh, shard_batch_over_slices
 
 log = logging.getLogger(__name__)
 
@@ -708,25 +709,8 @@ def _detect_prefix(keys: set[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Mesh and sharding
+# Sharding (the mesh: posttrain.trainer.mesh)
 # ---------------------------------------------------------------------------------------
-
-
-def make_mesh(fsdp: int | None = None, tp: int = 1, devices: Sequence[Any] | None = None):
-    """A ``('fsdp', 'tp')`` mesh over ``devices`` (all devices by default).
-
-    ``fsdp=None`` takes every device left after ``tp``.
-    """
-    devices = list(devices if devices is not None else jax.devices())
-    if fsdp is None:
-        fsdp = max(1, len(devices) // tp)
-    if fsdp * tp != len(devices):
-        raise ValueError(
-            f"mesh fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices; there are {len(devices)}"
-        )
-    return jax.make_mesh(
-        (fsdp, tp), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices
-    )
 
 
 def _fit_spec(spec: Sequence[Any], shape: tuple[int, ...], mesh) -> tuple:
@@ -777,6 +761,7 @@ def model_info(
     hf = _text_config(read_hf_config(model_dir))
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     config, extras = build_config(family, hf, dtype, compute_dtype)
+    config = shard_batch_over_slices(config)
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     info = ModelInfo(
         family=family,

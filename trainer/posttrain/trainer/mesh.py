@@ -1,0 +1,150 @@
+"""The trainer's device mesh: axes ``('dp', 'fsdp', 'tp')``, data parallel over slices.
+
+A job's devices come in slices: a TPU slice (chips joined by ICI), or a GPU host (XLA gives
+each host its own ``slice_index``; NVLink joins its GPUs; a GB200 NVL72 rack is one slice).
+Between slices there is only the data-centre network (DCN), so:
+
+- ``dp`` has one entry per slice. Only data parallelism crosses the DCN: the parameters are
+  replicated over ``dp`` and the gradients are all-reduced over it once per step.
+- ``fsdp`` and ``tp`` stay inside a slice. Each slice holds a whole model, its parameters
+  sharded over ``fsdp`` x ``tp`` as the Tunix models' sharding configs name them.
+
+``jax.make_mesh`` refuses devices of several slices; here every slice gets its own ICI mesh
+from ``jax.experimental.mesh_utils.create_device_mesh`` (the physical torus of a TPU slice,
+device ids on GPUs), first without and then with splitting physical axes, and the slices are
+stacked along ``dp`` in ``slice_index`` order, as ``create_hybrid_device_mesh`` does. Where
+mesh_utils knows no layout for the devices (a device kind whose cores it cannot place, a
+shape its torus assignment cannot split), the slice's devices are laid out in process order
+(a host's devices next to each other on the innermost axes), and a warning says so.
+
+Where the slices come from: the devices' ``slice_index``, which libtpu sets from the
+``MEGASCALE_*`` variables the renderer puts into a multi-slice JobSet, XLA sets per GPU host,
+and Pathways sets per slice. CPU devices know no slices (under ``jax.distributed`` every one
+says ``slice_index`` 0); there, ``MEGASCALE_NUM_SLICES`` (the same variable) above 1 splits the processes into that many consecutive groups, in the order the
+renderer numbers them (``posttrain.trainer.distributed``: job index x pods per job +
+completion index, one Job per slice), so a multi-process CPU run is laid out and trains as
+that multi-slice job would.
+
+The Tunix models constrain their activations' batch dimension to ``'fsdp'`` alone, which
+would make every slice compute the whole global batch; ``shard_batch_over_slices`` gives a
+Tunix ``ModelConfig`` activations sharded over ``('dp', 'fsdp')`` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+
+log = logging.getLogger(__name__)
+
+AXES = ("dp", "fsdp", "tp")
+BATCH_AXES = AXES  # a global batch is split over every device
+ACTIVATION_BATCH = ("dp", "fsdp")  # the batch dimension of the models' activations
+SLICES_ENV = "MEGASCALE_NUM_SLICES"
+
+
+def slices(
+    devices: Sequence[Any], env: Mapping[str, str] | None = None, process_count: int = 1
+) -> list[list[Any]]:
+    """``devices`` grouped by slice, in slice order (pure).
+
+    By ``slice_index``; on CPU (or devices without one) ``env[MEGASCALE_NUM_SLICES]``
+    consecutive groups of the job's ``process_count`` processes (one group: no such variable).
+    """
+    env = os.environ if env is None else env
+    if devices[0].platform != "cpu" and all(
+        getattr(d, "slice_index", None) is not None for d in devices
+    ):
+        key = lambda d: d.slice_index  # noqa: E731
+    else:
+        count = int(env.get(SLICES_ENV) or 1)
+        if count < 1 or process_count % count:
+            raise ValueError(
+                f"{SLICES_ENV}={count} does not split the job's {process_count} processes "
+                "into equal slices"
+            )
+        key = lambda d: d.process_index * count // process_count  # noqa: E731
+    groups: dict[int, list[Any]] = {}
+    for d in devices:
+        groups.setdefault(key(d), []).append(d)
+    return [groups[k] for k in sorted(groups)]
+
+
+def make_mesh(
+    fsdp: int | None = None,
+    tp: int = 1,
+    devices: Sequence[Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    process_count: int | None = None,
+) -> jax.sharding.Mesh:
+    """A ``('dp', 'fsdp', 'tp')`` mesh over ``devices`` (all devices by default).
+
+    ``dp`` is the number of slices; ``fsdp`` x ``tp`` is each slice (``fsdp=None`` takes
+    every device of a slice left after ``tp``). ``env`` and ``process_count`` (default: this
+    process's environment and ``jax.process_count()``) place CPU devices in slices.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    count = jax.process_count() if process_count is None else process_count
+    groups = slices(devices, env, count)
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"mesh: the {len(groups)} slices differ in size ({sizes} devices)")
+    per_slice = sizes[0]
+    if fsdp is None:
+        fsdp = max(1, per_slice // tp)
+    if fsdp * tp != per_slice:
+        where = f" in each of {len(groups)} slices" if len(groups) > 1 else ""
+        raise ValueError(
+            f"mesh fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices; there are {per_slice}{where}"
+        )
+    grid = np.concatenate([_slice_grid(g, (1, fsdp, tp)) for g in groups], axis=0)
+    log.info(
+        "mesh dp=%d x fsdp=%d x tp=%d: %d %s devices in %d slice(s)",
+        len(groups),
+        fsdp,
+        tp,
+        len(devices),
+        devices[0].device_kind,
+        len(groups),
+    )
+    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def _slice_grid(devices: list[Any], shape: tuple[int, ...]) -> np.ndarray:
+    """The devices of one slice as an array of ``shape``, placed for its ICI."""
+    reasons = []
+    for split in (False, True):
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split)
+        except (AssertionError, NotImplementedError, ValueError) as e:
+            reasons.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    log.warning(
+        "mesh: no physical layout for %d %r devices as %s (%s); placing them in process order",
+        len(devices),
+        devices[0].device_kind,
+        "x".join(map(str, shape)),
+        reasons[-1],
+    )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.empty(len(ordered), dtype=object)
+    grid[:] = ordered
+    return grid.reshape(shape)
+
+
+def shard_batch_over_slices(config: Any) -> Any:
+    """A Tunix ``ModelConfig`` whose activations (``shd_config.act_*``) have their batch
+    dimension over ``('dp', 'fsdp')`` where Tunix says ``'fsdp'``."""
+    shd = config.shd_config
+    changes = {
+        f.name: (ACTIVATION_BATCH, *getattr(shd, f.name)[1:])
+        for f in dataclasses.fields(shd)
+        if f.name.startswith("act_") and getattr(shd, f.name)[:1] == ("fsdp",)
+    }
+    return dataclasses.replace(config, shd_config=dataclasses.replace(shd, **changes))
