@@ -316,3 +316,18 @@ def test_hf_source_fetches_only_what_the_trainer_reads(monkeypatch, tmp_path):
     wanted += ["tokenizer.json", "tokenizer.model", "chat_template.jinja", "adapter_config.json"]
     assert all(fetched(n) for n in wanted)
     assert not any(fetched(n) for n in ["pytorch_model.bin", "model.gguf", "flax_model.msgpack"])
+
+
+def test_hf_source_revision(monkeypatch, tmp_path):
+    """hf://org/name@revision downloads that branch, tag or commit."""
+    import huggingface_hub
+
+    from posttrain.trainer import loop
+
+    calls = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append((repo, kw)) or "d"
+    )
+    loop.local_model_dir("hf://org/model@v1.0", tmp_path)
+    loop.local_model_dir("hf://org/model", tmp_path)
+    assert [(r, kw["revision"]) for r, kw in calls] == [("org/model", "v1.0"), ("org/model", None)]

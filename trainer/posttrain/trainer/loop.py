@@ -94,8 +94,9 @@ def local_model_dir(source: str, scratch: Path, *, weights: bool = True) -> str:
             from huggingface_hub import snapshot_download
         except ImportError as e:
             raise ValueError("spec.model.source: hf:// needs the huggingface_hub package") from e
+        repo, _, revision = source.removeprefix("hf://").partition("@")  # hf://org/name@rev
         return snapshot_download(
-            source.removeprefix("hf://"), cache_dir=str(HF_CACHE), allow_patterns=HF_FILES
+            repo, revision=revision or None, cache_dir=str(HF_CACHE), allow_patterns=HF_FILES
         )
     if not Path(source).is_dir():
         raise FileNotFoundError(f"spec.model.source: {source} is not a directory")
