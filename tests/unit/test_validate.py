@@ -107,3 +107,13 @@ def test_values_json_cannot_carry_are_refused():
 def test_printable_escapes_control_and_bidi_characters():
     err = FieldError("spec.a\nb", "x\x1b[31m \u202eevil")
     assert str(err) == "spec.a\\nb: x\\x1b[31m \\u202eevil"
+
+
+def test_status_is_read_as_the_operator_and_trainer_write_it():
+    doc = valid_job()
+    doc["status"] = {"phase": "Running", "progress": {"step": 3, "etaSeconds": 12.0}}
+    job, errors = validate(doc)
+    assert errors == [] and job.status.progress.eta_seconds == 12
+    doc["status"] = {"phase": "Exploded"}
+    _, errors = validate(doc)
+    assert [e.field for e in errors] == ["status.phase"]

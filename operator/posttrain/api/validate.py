@@ -23,7 +23,7 @@ from posttrain import capacity, catalog
 from posttrain.api import batching, kube_values, lora_modules, model_shapes, rules
 from posttrain.api.documents import DocumentError, read_documents
 from posttrain.api.locations import mount_path_error
-from posttrain.api.spec import API_VERSION, KIND, PostTrainJob
+from posttrain.api.spec import API_VERSION, KIND, PostTrainJob, PostTrainJobStatus
 
 _ESCAPED = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
 
@@ -210,13 +210,22 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
         errors.append(FieldError("apiVersion", f"must be {API_VERSION}"))
     if doc.get("kind") != KIND:
         errors.append(FieldError("kind", f"must be {KIND}"))
-    body = _as_json({k: v for k, v in doc.items() if k not in ("apiVersion", "kind")})
+    # What users write is read as strictly as the API server reads it; status is written
+    # by the operator and the trainer.
+    body = _as_json({k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "status")})
     if body is None:
         return None, errors + [FieldError("(document)", "holds values JSON cannot carry")]
     try:
         job = PostTrainJob.model_validate_json(body, strict=True, by_alias=True, by_name=False)
     except ValidationError as e:
         return None, errors + _pydantic_errors(e)
+    if doc.get("status") is not None:
+        try:
+            job.status = PostTrainJobStatus.model_validate(doc["status"])
+        except ValidationError as e:
+            return None, errors + [
+                FieldError(f"status.{x.field}", x.message) for x in _pydantic_errors(e)
+            ]
     return job, errors + semantic_errors(job)
 
 
