@@ -314,8 +314,15 @@ ALLOWED = [
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", "-"),
     ("list", "namespaces", "-"),
     ("watch", "namespaces", "-"),
+    ("get", "priorityclasses.scheduling.k8s.io/high", "-"),
+    ("get", "workloadpriorityclasses.kueue.x-k8s.io/high", "-"),
+    ("get", "localqueues.kueue.x-k8s.io/tpu", "other"),
 ]
 DENIED = [
+    ("create", "priorityclasses.scheduling.k8s.io", "-"),
+    ("list", "priorityclasses.scheduling.k8s.io", "-"),
+    ("create", "localqueues.kueue.x-k8s.io", "other"),
+    ("list", "workloadpriorityclasses.kueue.x-k8s.io", "-"),
     ("get", "secrets", "release"),
     ("get", "secrets", "other"),
     ("list", "secrets", "-"),

@@ -56,6 +56,9 @@ EXPECTED_CLUSTER_RULES = {
     ("events.k8s.io", "events"): {"create", "patch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},
+    ("scheduling.k8s.io", "priorityclasses"): {"get"},
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
+    ("kueue.x-k8s.io", "localqueues"): {"get"},
 }
 
 

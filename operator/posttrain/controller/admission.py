@@ -9,6 +9,7 @@ immutable-field rules on update. `admission_errors` is pure; `webhook.py` serves
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from posttrain.api.validate import FieldError, immutable_changes, validate
@@ -19,3 +20,41 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
     if old:
         errors += immutable_changes(old.get("spec") or {}, body.get("spec") or {})
     return errors
+
+
+# exists(kind, name, namespace) -> True, False, or None when it could not be read.
+Exists = Callable[[str, str, str | None], bool | None]
+
+
+def reference_checks(body: dict[str, Any], exists: Exists) -> tuple[list[FieldError], list[str]]:
+    """Objects the job names that must exist: a PriorityClass or Kueue
+    WorkloadPriorityClass that does not is an error (the pods, or Kueue's Workload, would
+    never be created); a missing LocalQueue is a warning (the job waits in phase Queued
+    until it exists). A lookup that failed (None) is neither."""
+    scheduling = (body.get("spec") or {}).get("scheduling") or {}
+    namespace = (body.get("metadata") or {}).get("namespace")
+    errors: list[FieldError] = []
+    warnings: list[str] = []
+    if (name := scheduling.get("priorityClass")) and exists("PriorityClass", name, None) is False:
+        errors.append(
+            FieldError(
+                "spec.scheduling.priorityClass",
+                f"PriorityClass {name!r} does not exist (kubectl get priorityclasses lists them)",
+            )
+        )
+    wpc = scheduling.get("workloadPriorityClass")
+    if wpc and exists("WorkloadPriorityClass", wpc, None) is False:
+        errors.append(
+            FieldError(
+                "spec.scheduling.workloadPriorityClass",
+                f"Kueue WorkloadPriorityClass {wpc!r} does not exist, so Kueue would never "
+                "admit the job (kubectl get workloadpriorityclasses lists them)",
+            )
+        )
+    queue = scheduling.get("queue")
+    if queue and exists("LocalQueue", queue, namespace) is False:
+        warnings.append(
+            f"spec.scheduling.queue: Kueue LocalQueue {queue!r} does not exist in namespace "
+            f"{namespace!r}; the job waits in phase Queued until it does"
+        )
+    return errors, warnings

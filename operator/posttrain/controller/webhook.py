@@ -17,20 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller.admission import admission_errors
+from posttrain.controller.admission import Exists, admission_errors, reference_checks
 
 log = logging.getLogger("posttrain.webhook")
 WEBHOOK_NAME = "validate-posttrainjob.posttrain.dev"
 WEBHOOK_PATH = f"/{WEBHOOK_NAME}"
 CONFIGURATION_NAME = "posttrain.dev"
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 
 
-def review_response(review: dict[str, Any]) -> dict[str, Any]:
-    """The AdmissionReview answer for one request (pure)."""
+def review_response(review: dict[str, Any], exists: Exists | None = None) -> dict[str, Any]:
+    """The AdmissionReview answer for one request; pure given `exists`, which looks up
+    the PriorityClass, WorkloadPriorityClass and LocalQueue a job names."""
     request = review.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
     if request.get("operation") in ("CREATE", "UPDATE") and request.get("object"):
         errors = admission_errors(request["object"], request.get("oldObject"))
+        if exists is not None and not errors:
+            errors, warnings = reference_checks(request["object"], exists)
+            if warnings:
+                response["warnings"] = warnings
         if errors:
             response = {
                 **response,
@@ -65,6 +71,31 @@ def webhook_entry(client_config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def kube_exists(kind: str, name: str, namespace: str | None) -> bool | None:
+    """Whether a PriorityClass, Kueue WorkloadPriorityClass or LocalQueue exists, read
+    with the operator's credentials (get only); None when the read failed otherwise."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        if kind == "PriorityClass":
+            client.SchedulingV1Api().read_priority_class(name)
+        elif kind == "WorkloadPriorityClass":
+            client.CustomObjectsApi().get_cluster_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses", name
+            )
+        else:
+            client.CustomObjectsApi().get_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", name
+            )
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        log.warning("admission: cannot read %s %s: %s", kind, name, e.reason)
+        return None
+    return True
+
+
 class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server API)
         if self.path.split("?")[0] != WEBHOOK_PATH:
@@ -72,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             review = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            body = json.dumps(review_response(review)).encode()
+            body = json.dumps(review_response(review, kube_exists)).encode()
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the server
             log.warning("bad admission request: %s", e)
             self.send_error(400)
