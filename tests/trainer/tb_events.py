@@ -7,10 +7,10 @@ import struct
 from pathlib import Path
 
 
-def scalars(logdir: Path) -> dict[str, dict[int, float]]:
+def _values(logdir: Path):
+    """(step, summary value) of every event under logdir."""
     from tensorboardX.proto import event_pb2
 
-    out: dict[str, dict[int, float]] = {}
     for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
         data = path.read_bytes()
         pos = 0
@@ -20,5 +20,21 @@ def scalars(logdir: Path) -> dict[str, dict[int, float]]:
             pos += 12 + length + 4
             event = event_pb2.Event.FromString(record)
             for value in event.summary.value:
-                out.setdefault(value.tag, {})[event.step] = value.simple_value
+                yield event.step, value
+
+
+def scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for step, value in _values(logdir):
+        if not value.tensor.string_val:
+            out.setdefault(value.tag, {})[step] = value.simple_value
+    return out
+
+
+def texts(logdir: Path) -> dict[str, dict[int, str]]:
+    """Text summaries (add_text) by tag and step."""
+    out: dict[str, dict[int, str]] = {}
+    for step, value in _values(logdir):
+        if value.tensor.string_val:
+            out.setdefault(value.tag, {})[step] = value.tensor.string_val[0].decode()
     return out

@@ -130,3 +130,11 @@ def test_teacher_with_another_vocabulary_is_refused(models_dir, tmp_path):
     make_tiny_llama(models_dir / "other", vocab=300)
     with pytest.raises(ValueError, match=r"spec.distill.teacher: .*300 tokens.*400"):
         run(job_doc(models_dir, tmp_path / "out", teacher="other"))
+
+
+def test_held_out_loss_is_reported_and_falls(models_dir, tmp_path):
+    doc = job_doc(models_dir, tmp_path / "out", steps=16)
+    doc["spec"]["eval"] = {"fraction": 0.1, "everySteps": 8, "samples": 0}
+    result = run(doc)
+    losses = [result.evals[s]["loss"] for s in (8, 16)]
+    assert losses[1] < losses[0], losses

@@ -140,8 +140,23 @@ def series(out: Path, name: str) -> list[float]:
 def test_grpo_raises_the_mean_reward(task, tmp_path):
     """Full fine-tune, beta 0.04 against a frozen copy of the SFT'd model."""
     out = tmp_path / "out"
-    result = run(grpo_spec(task, out))
+    held_out = tmp_path / "held-out.jsonl"  # prompts never trained on
+    rng = random.Random(1)
+    held_out.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say {n}.", "answer": str(n)}) + "\n"
+            for n in (rng.randint(0, 9) for _ in range(16))
+        )
+    )
+    spec = grpo_spec(task, out)
+    spec["eval"] = {"source": str(held_out), "everySteps": 15, "samples": 0}
+    result = run(spec)
     assert result.step == 30 and (out / "hf" / "model.safetensors").exists()
+    held = {s: result.evals[s] for s in sorted(result.evals)}
+    print(f"\nheld-out greedy mean reward / pass rate by step: {held}")
+    assert sorted(held) == [0, 15, 30]
+    assert held[30]["mean_reward"] > held[0]["mean_reward"], held
+    assert held[30]["pass_rate"] == pytest.approx(held[30]["mean_reward"])  # exactAnswer: 0/1
     reward = series(out, "reward")
     before, after = float(np.mean(reward[:5])), float(np.mean(reward[-5:]))
     print(

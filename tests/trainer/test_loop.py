@@ -6,6 +6,7 @@ fine-tune export, and errors in the job's input."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
@@ -18,11 +19,11 @@ import numpy as np
 import pytest
 import yaml
 from safetensors.numpy import load
-from tb_events import scalars
+from tb_events import scalars, texts
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
-from posttrain.trainer import storage
+from posttrain.trainer import data, storage
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.loop import peft_base_model_name, train
 from tests.trainer.data_helpers import gcs_bucket
@@ -124,6 +125,55 @@ def test_a_finished_run_run_again_trains_and_writes_nothing(model_dir, reference
     assert {f: f.stat().st_mtime_ns for f in out.rglob("*")} == before
     assert f"{out} already finished at step 12" in caplog.text
     assert "posttrain run --output DIR" in caplog.text
+
+
+def test_eval_is_measured_and_does_not_change_training(model_dir, reference, tmp_path):
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(DATA.read_text().splitlines(keepends=True)[:24]))
+    out = tmp_path / "out"
+    doc = job_doc(model_dir, out)
+    doc["spec"]["eval"] = {"source": str(held_out), "everySteps": 4, "samples": 1}
+    result = run_inprocess(doc)
+    # Evaluating reads the model and draws nothing: the same adapter bit for bit.
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
+    assert sorted(result.evals) == [0, 4, 8, 12]  # 0: before the first step
+    losses = [result.evals[s]["loss"] for s in (0, 4, 8, 12)]
+    assert losses[-1] < losses[0], losses
+    assert result.evals[12]["perplexity"] == pytest.approx(np.exp(losses[-1]), rel=1e-6)
+    history = json.loads((out / "eval.json").read_text())
+    assert [e["step"] for e in history] == [0, 4, 8, 12]
+    assert history[-1]["metrics"]["loss"] == pytest.approx(losses[-1])
+    assert history[-1]["samples"][0]["prompt"]  # the first held-out prompt
+    tb = scalars(out / "tensorboard")
+    assert tb["eval/loss"] == pytest.approx(dict(zip((0, 4, 8, 12), losses, strict=True)))
+    assert "completion" in texts(out / "tensorboard")["eval/sample_0/text_summary"][12]
+
+
+def test_held_out_fraction_is_disjoint_and_the_same_on_every_host():
+    ds = data.read_dataset(str(DATA))
+    train_a, held_a = data.held_out_split(ds, 0.1, seed=3)
+    train_b, held_b = data.held_out_split(ds, 0.1, seed=3)
+    assert held_a.origin == held_b.origin and len(held_a) == round(0.1 * len(ds))
+    assert set(train_a.origin).isdisjoint(held_a.origin)
+    assert sorted(train_a.origin + held_a.origin) == list(range(len(ds)))
+    assert data.held_out_split(ds, 0.1, seed=4)[1].origin != held_a.origin
+    # Errors still name the file and line of a held-out row.
+    assert held_a.where(0) == ds.where(held_a.origin[0])
+
+
+def test_eval_fraction_holds_rows_out_of_training(model_dir, tmp_path):
+    out = tmp_path / "out"
+    doc = job_doc(model_dir, out, steps=4, lora=True)
+    doc["spec"]["eval"] = {"fraction": 0.1, "samples": 0}
+    result = run_inprocess(doc)
+    assert sorted(result.evals) == [4] and np.isfinite(result.evals[4]["loss"])
+
+
+def test_too_little_held_out_data_names_the_field(model_dir, tmp_path):
+    doc = job_doc(model_dir, tmp_path / "out", steps=2)
+    doc["spec"]["eval"] = {"fraction": 0.01}  # 3 rows, fewer than batchSize 8
+    with pytest.raises(data.DataError, match=r"spec.eval: the held-out data has 3 rows"):
+        run_inprocess(doc)
 
 
 @pytest.mark.parametrize(

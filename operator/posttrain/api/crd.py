@@ -33,8 +33,17 @@ PRINTER_COLUMNS = [
         "description": "Estimated seconds to finish",
         "priority": 1,
     },
+    {"name": "Eval", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
     {"name": "JobSet", "type": "string", "jsonPath": ".status.jobSetName", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Last: kubectl prints it whole (no truncation), so the operator keeps it to one line
+    # of at most 200 characters (posttrain.controller.phase.MESSAGE_MAX).
+    {
+        "name": "Message",
+        "type": "string",
+        "jsonPath": ".status.message",
+        "description": "Why the job is in its phase",
+    },
 ]
 
 _DROP = {"title", "additionalProperties"}
@@ -84,6 +93,9 @@ def _structural(node: Any, defs: dict[str, Any], classes: dict[str, type[BaseMod
         node["exclusiveMinimum"] = True
     cls = classes.get(node.pop("x-posttrain-class", ""))
     out = {k: _structural(v, defs, classes) for k, v in node.items() if k not in _DROP}
+    if isinstance(node.get("additionalProperties"), dict) and "properties" not in node:
+        # A map (dict[str, X]): its values' schema, or the API server prunes every key.
+        out["additionalProperties"] = _structural(node["additionalProperties"], defs, classes)
     if "properties" in node:
         out["type"] = "object"
         out["properties"] = {

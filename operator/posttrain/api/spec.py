@@ -373,6 +373,34 @@ class CheckpointSpec(KubeModel):
     """Write checkpoints in the background while training continues."""
 
 
+class EvalSpec(KubeModel):
+    """Held-out evaluation during training: every everySteps steps and at the end. Metrics
+    go to TensorBoard (eval/...), eval.json under output.uri and status.progress.eval*."""
+
+    source: FileLocation | None = Field(default=None, min_length=1, max_length=URI_MAX)
+    """Held-out data in the same format and columns as spec.data. Absent: `fraction` of
+    the training data is held out (the same rows on every host, never trained on)."""
+
+    split: str = Field(default="test", min_length=1, max_length=NAME_MAX)
+    """Split of a Hugging Face `save_to_disk` dataset at source."""
+
+    fraction: float = Field(default=0.05, gt=0, le=0.5)
+    """Share of the training examples held out when there is no source."""
+
+    every_steps: int = Field(default=0, ge=0, le=10_000_000)
+    """Evaluate every N optimizer steps; 0: only at the end."""
+
+    max_batches: int = Field(default=8, ge=1, le=100_000)
+    """At most this many batches of spec.training.batchSize per evaluation."""
+
+    samples: int = Field(default=2, ge=0, le=16)
+    """Greedy generations for the first held-out prompts, written to TensorBoard as text
+    (single-host runs)."""
+
+    max_new_tokens: int = Field(default=64, ge=1, le=4096)
+    """Length limit of those generations."""
+
+
 class ExportFormat(StrEnum):
     auto = "auto"
     adapter = "adapter"
@@ -538,6 +566,9 @@ class PostTrainJobSpec(KubeModel):
     distill: DistillSpec | None = None
     """Distillation settings; required for, and only allowed with, technique distill."""
 
+    eval: EvalSpec | None = None
+    """Held-out evaluation; absent: none."""
+
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing."""
 
@@ -616,6 +647,15 @@ class Progress(KubeModel):
 
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
+
+    eval_step: int | None = None
+    """Step of the latest held-out evaluation (spec.eval)."""
+
+    eval_loss: float | None = None
+    """Held-out loss at evalStep (sft, distill, dpo)."""
+
+    eval_metrics: dict[str, float] | None = None
+    """Every held-out metric at evalStep, e.g. perplexity, preference_accuracy."""
 
     updated_at: str | None = None
     """When the trainer last reported (RFC 3339)."""

@@ -178,9 +178,15 @@ class RawDataset:
     source: str
     rows: list[dict[str, Any]]
     parts: list[_FilePart]
+    origin: list[int] | None = None  # a subset's row i is row origin[i] of the files
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def subset(self, indices: Sequence[int]) -> RawDataset:
+        """These rows, in this order; error messages still name their files and lines."""
+        origin = [self.origin[i] if self.origin is not None else int(i) for i in indices]
+        return RawDataset(self.source, [self.rows[i] for i in indices], self.parts, origin)
 
     @property
     def columns(self) -> list[str]:
@@ -193,6 +199,7 @@ class RawDataset:
 
     def where(self, i: int) -> str:
         """'file:line' (jsonl) or 'file (row n)' of row i, for error messages."""
+        i = self.origin[i] if self.origin is not None else i
         part = self._part(i)
         if part.lines is not None:
             return f"{part.path}:{part.lines[i - part.start]}"
@@ -1053,6 +1060,54 @@ def build_rows(spec: Any, tokenizer: Tokenizer, ds: RawDataset | None = None) ->
     )
 
 
+def held_out_split(ds: RawDataset, fraction: float, seed: int) -> tuple[RawDataset, RawDataset]:
+    """(training rows, held-out rows): round(fraction * n) rows (at least one, at most
+    n - 1) drawn by numpy's default_rng(seed), the same on every host; both keep the
+    files' order."""
+    n = len(ds)
+    if n < 2:
+        raise DataError(
+            f"{ds.source}: {n} row(s) cannot be split into training and held-out data "
+            "(spec.eval.fraction); give spec.eval.source instead"
+        )
+    k = min(max(1, round(fraction * n)), n - 1)
+    held = np.zeros(n, dtype=bool)
+    held[np.random.default_rng(seed).permutation(n)[:k]] = True
+    return ds.subset(np.flatnonzero(~held)), ds.subset(np.flatnonzero(held))
+
+
+def read_train_and_eval(spec: Any) -> tuple[RawDataset, RawDataset | None]:
+    """The training data and the held-out data of spec.eval (None without spec.eval):
+    spec.eval.source when given, else spec.eval.fraction of the training data."""
+    data = spec.data
+    ds = read_dataset(data.source, format=data.format, split=data.split)
+    settings = getattr(spec, "eval", None)
+    if settings is None:
+        return ds, None
+    if settings.source:
+        return ds, read_dataset(settings.source, format=data.format, split=settings.split)
+    return held_out_split(ds, settings.fraction, spec.training.seed)
+
+
+def generation_prompts(spec: Any, tokenizer: Tokenizer, ds: RawDataset, n: int) -> list[str]:
+    """The first n rows' prompts, rendered with the generation prompt: the conversation
+    before its last assistant turn (sft, distill) or the prompt column (dpo, grpo)."""
+    columns, template = spec.data.columns, tokenizer.template(spec.data.chat_template)
+    first = ds.subset(range(min(n, len(ds))))
+    if str(spec.technique) in ("dpo", "grpo"):
+        first.require(columns.prompt, "prompt")
+        messages = [
+            _prompt_messages(first.value(i, columns.prompt, "prompt"), first.where(i))
+            for i in range(len(first))
+        ]
+    else:
+        messages = []
+        for conv in sft_conversations(first, columns):
+            last = max(i for i, m in enumerate(conv) if m.get("role") == "assistant")
+            messages.append(conv[:last])
+    return [_render_prompt(template, m, first.where(i)) for i, m in enumerate(messages)]
+
+
 def build_loader(
     spec: Any,
     tokenizer: Tokenizer,
@@ -1103,9 +1158,12 @@ __all__ = [
     "build_rows",
     "data_files",
     "data_summary",
+    "generation_prompts",
+    "held_out_split",
     "load_tokenizer",
     "pack_examples",
     "read_dataset",
+    "read_train_and_eval",
     "render_conversation",
     "sft_conversations",
     "tokenize_sft",

@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, loop, models, optim, sft
+from posttrain.trainer import data, evaluate, loop, models, optim, sft
 from posttrain.trainer.distributed import ProcessInfo
 
 
@@ -164,9 +164,7 @@ def train(
     policy = loop.load_policy(spec, mesh, scratch)
     teacher, _ = load_teacher(spec, policy.info, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
-    loader = data.build_loader(
-        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
-    )
+    loader, held_out = loop.build_data(spec, tokenizer, process)
     opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
     step_fn = make_train_step(
         policy.wrt,
@@ -175,9 +173,26 @@ def train(
         spec.training.gradient_accumulation,
     )
 
-    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
-        return step_fn(policy.model, opt, teacher, loop._global_batch(host_batch, mesh))
+    def to_global(host_batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        return loop._global_batch(host_batch, mesh)
 
+    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        return step_fn(policy.model, opt, teacher, to_global(host_batch))
+
+    # Held out: the student's own likelihood of the data (loss, perplexity).
+    measure, summarize = evaluate.token_loss(policy.model, to_global)
+    evaluation = evaluate.build(
+        spec, tokenizer, held_out, process, measure, summarize, policy.model
+    )
     return loop.run_steps(
-        job, policy, opt, loader, step, mesh=mesh, scratch=scratch, show_bar=show_bar, stop=stop
+        job,
+        policy,
+        opt,
+        loader,
+        step,
+        mesh=mesh,
+        scratch=scratch,
+        show_bar=show_bar,
+        stop=stop,
+        evaluation=evaluation,
     )

@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec, PostTrainJob
-from posttrain.trainer import data, loop, models, optim
+from posttrain.trainer import data, evaluate, loop, models, optim
 from posttrain.trainer.distributed import ProcessInfo
 
 BATCH_KEYS = (
@@ -121,10 +121,10 @@ def _pairs(model: nnx.Module, mb: dict[str, jax.Array]) -> tuple[jax.Array, ...]
     return logps[:n], logps[n:], counts[:n], counts[n:]
 
 
-def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: str):
-    """A jitted DPO/ORPO update over `accumulation` micro-batches of pairs. reference:
-    'lora' (the policy with adapters zeroed), 'model' (a frozen model argument) or
-    'none' (ORPO)."""
+def make_loss(settings: DpoSpec, reference: str):
+    """loss_fn(model, ref_model, batch) -> (mean loss, metrics) of DPO/ORPO over a batch
+    of pairs. reference: 'lora' (the policy with adapters zeroed), 'model' (a frozen
+    model argument) or 'none' (ORPO)."""
     algorithm, beta = str(settings.algorithm), float(settings.beta)
 
     def loss_fn(model, ref_model, mb):
@@ -152,6 +152,25 @@ def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: s
         }
         return loss, aux
 
+    return loss_fn
+
+
+def make_eval_step(settings: DpoSpec, reference: str):
+    """A jitted held-out measure of a batch of pairs: {'loss', 'preference_accuracy',
+    'reward_margin', ...}, each a mean over the batch (no gradients, no update)."""
+    loss_fn = make_loss(settings, reference)
+
+    def measure(model, ref_model, batch):
+        loss, aux = loss_fn(model, ref_model, batch)
+        return {"loss": loss, **aux}
+
+    return nnx.jit(measure)
+
+
+def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: str):
+    """A jitted DPO/ORPO update over `accumulation` micro-batches of pairs (see
+    make_loss for reference)."""
+    loss_fn = make_loss(settings, reference)
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     def step(model, optimizer, ref_model, batch):
@@ -203,9 +222,7 @@ def train(
     mesh = models.make_mesh()
     policy = loop.load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
-    loader = data.build_loader(
-        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
-    )
+    loader, held_out = loop.build_data(spec, tokenizer, process)
     reference, ref_model = "none", None
     if str(settings.algorithm) == "dpo":
         if spec.lora:
@@ -222,10 +239,28 @@ def train(
     opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
     step_fn = make_train_step(policy.wrt, settings, spec.training.gradient_accumulation, reference)
 
-    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
-        batch = loop._global_batch(host_batch, mesh, BATCH_KEYS)
-        return step_fn(policy.model, opt, ref_model, batch)
+    def to_global(host_batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        return loop._global_batch(host_batch, mesh, BATCH_KEYS)
 
+    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        return step_fn(policy.model, opt, ref_model, to_global(host_batch))
+
+    eval_fn = make_eval_step(settings, reference)
+    measure, summarize = evaluate.batch_means(
+        lambda batch: eval_fn(policy.model, ref_model, batch), to_global
+    )
+    evaluation = evaluate.build(
+        spec, tokenizer, held_out, process, measure, summarize, policy.model
+    )
     return loop.run_steps(
-        job, policy, opt, loader, step, mesh=mesh, scratch=scratch, show_bar=show_bar, stop=stop
+        job,
+        policy,
+        opt,
+        loader,
+        step,
+        mesh=mesh,
+        scratch=scratch,
+        show_bar=show_bar,
+        stop=stop,
+        evaluation=evaluation,
     )

@@ -47,7 +47,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, loop, models, optim, rewards
+from posttrain.trainer import data, evaluate, loop, models, optim, rewards
 from posttrain.trainer.distributed import ProcessInfo
 
 log = logging.getLogger("posttrain.grpo")
@@ -497,6 +497,34 @@ class GrpoRun:
             "rewards": parts,
         }
 
+    def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """Greedy completions of held-out prompts, scored by spec.grpo.rewards: the summed
+        reward, the prompts that passed (every reward but lengthPenalty positive) and the
+        prompt count, over all hosts (each generates for its own prompts)."""
+        prompts = [str(p) for p in host_batch["prompts"]]
+        self.sync_rollout()
+        config = self.rollout_config
+        saved = config.top_k, config.seed
+        config.top_k, config.seed = 1, np.asarray(jax.random.PRNGKey(0))  # greedy
+        try:
+            out = self.cluster.generate(prompts)
+        finally:
+            config.top_k, config.seed = saved
+        columns = {
+            "answer": list(host_batch["answer"]),
+            "completion_tokens": [len(t) for t in out.tokens],
+        }
+        parts = {
+            fn.__name__: np.asarray(fn(prompts=prompts, completions=out.text, **columns))
+            for fn in self.reward_fns
+        }
+        gates = [v > 0 for name, v in parts.items() if not name.startswith("lengthPenalty")]
+        total = np.sum(list(parts.values()), axis=0)
+        passed = np.all(gates, axis=0) if gates else total > 0
+        return evaluate.across_hosts(
+            {"reward": float(total.sum()), "passed": float(passed.sum()), "prompts": len(prompts)}
+        )
+
     def __call__(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         rolled = self.rollout(host_batch, index)
         batch = loop._global_batch(rolled, self.mesh, BATCH_KEYS)
@@ -526,10 +554,11 @@ def train(
     mesh = models.make_mesh()
     policy = loop.load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
-    loader = data.build_loader(
-        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
-    )
+    loader, held_out = loop.build_data(spec, tokenizer, process)
     run = GrpoRun(job, process, policy, tokenizer, mesh)
+    evaluation = evaluate.build(
+        spec, tokenizer, held_out, process, run.evaluate, reward_summary, policy.model
+    )
     return loop.run_steps(
         job,
         policy,
@@ -540,4 +569,11 @@ def train(
         scratch=scratch,
         show_bar=show_bar,
         stop=stop,
+        evaluation=evaluation,
     )
+
+
+def reward_summary(sums: dict[str, float]) -> dict[str, float]:
+    """Held-out mean reward and pass rate of greedy completions (GrpoRun.evaluate)."""
+    prompts = max(sums["prompts"], 1.0)
+    return {"mean_reward": sums["reward"] / prompts, "pass_rate": sums["passed"] / prompts}

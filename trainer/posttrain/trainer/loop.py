@@ -33,7 +33,7 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, lora, models, optim, sft, storage
+from posttrain.trainer import data, evaluate, lora, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
@@ -52,6 +52,7 @@ class Result:
     stopped_early: bool = False
     export_dir: str | None = None
     already_finished: bool = False  # an earlier run had finished; nothing was done
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> held-out metrics
 
 
 class StopFlag:
@@ -198,19 +199,45 @@ def train(
     mesh = models.make_mesh()
     policy = load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
-    loader = data.build_loader(
-        spec, tokenizer, process_index=process.process_id, process_count=process.num_processes
-    )
+    loader, held_out = build_data(spec, tokenizer, process)
     opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
     step_fn = sft.make_train_step(policy.wrt, spec.training.gradient_accumulation)
+    measure, summarize = evaluate.token_loss(policy.model, lambda b: _global_batch(b, mesh))
+    evaluation = evaluate.build(
+        spec, tokenizer, held_out, process, measure, summarize, policy.model
+    )
 
     def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         loss, grad_norm, _, seen = step_fn(policy.model, opt, _global_batch(host_batch, mesh))
         return {"loss": loss, "grad_norm": grad_norm, "tokens": seen}
 
     return run_steps(
-        job, policy, opt, loader, step, mesh=mesh, scratch=scratch, show_bar=show_bar, stop=stop
+        job,
+        policy,
+        opt,
+        loader,
+        step,
+        mesh=mesh,
+        scratch=scratch,
+        show_bar=show_bar,
+        stop=stop,
+        evaluation=evaluation,
     )
+
+
+def build_data(
+    spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
+) -> tuple[data.DataLoader, data.RawDataset | None]:
+    """This host's training loader, and the held-out data of spec.eval (or None)."""
+    ds, held_out = data.read_train_and_eval(spec)
+    loader = data.build_loader(
+        spec,
+        tokenizer,
+        process_index=process.process_id,
+        process_count=process.num_processes,
+        rows=data.build_rows(spec, tokenizer, ds),
+    )
+    return loader, held_out
 
 
 @dataclass
@@ -264,6 +291,7 @@ def run_steps(
     scratch: Path,
     show_bar: bool,
     stop: StopFlag,
+    evaluation: evaluate.Evaluation | None = None,
 ) -> Result:
     """The loop every technique shares: resume from the newest checkpoint (params,
     optimizer state, data position), call `step(host_batch, index)` for each optimizer
@@ -272,7 +300,8 @@ def run_steps(
 
     `step` returns a dict of metrics: 'loss' (required), 'tokens' (tokens processed, for
     tokens/s; optional) and any other scalars, which go to TensorBoard as train/<name>.
-    Values may be device arrays; they are read back only on log steps.
+    Values may be device arrays; they are read back only on log steps. `evaluation`
+    (spec.eval) runs when due, before that step's checkpoint.
     """
     spec = job.spec
     model, wrt = policy.model, policy.wrt
@@ -303,9 +332,13 @@ def run_steps(
         StatusWriter.from_env() if is_main else None,
         show_bar,
     )
+    if evaluation is not None:
+        evaluation.resume(spec.output.uri, result.step)
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
     with jax.set_mesh(mesh):
+        if evaluation is not None and result.step == 0 and evaluation.every_steps:
+            result.evals[0] = evaluation.evaluate(0, progress)  # where the curve starts
         while result.step < total and not stop:
             out = dict(step(next(loader), result.step))
             loss = out.pop("loss")
@@ -323,6 +356,8 @@ def run_steps(
                 result.losses[result.step] = metrics["loss"]
                 window_start, window_tokens = time.monotonic(), 0
             progress.step(result.step, metrics, log_now)
+            if evaluation is not None and evaluation.due(result.step, total):
+                result.evals[result.step] = evaluation.evaluate(result.step, progress)
             if result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop:
                 checkpoints.save(
                     result.step,

@@ -88,6 +88,7 @@ class Progress:
         self._last_status = 0.0
         self._start_time, self._start_step = time.monotonic(), start_step
         self.last_checkpoint_step: int | None = None
+        self.last_eval: dict[str, Any] = {}
         self.writer = None
         self.bar = None
         if not is_main:
@@ -153,7 +154,31 @@ class Progress:
             out["etaSeconds"] = eta
         if self.last_checkpoint_step is not None:
             out["lastCheckpointStep"] = self.last_checkpoint_step
+        out.update(self.last_eval)
         return out
+
+    def evaluated(
+        self, step: int, metrics: dict[str, float], samples: list[tuple[str, str]]
+    ) -> None:
+        """Held-out metrics (spec.eval) and sample generations at step."""
+        if not self.is_main:
+            return
+        self.last_eval = {"evalStep": step, "evalMetrics": dict(metrics)}
+        if "loss" in metrics:
+            self.last_eval["evalLoss"] = metrics["loss"]
+        shown = " ".join(f"{k}={v}" for k, v in _shown(metrics).items())
+        if self.bar is not None:
+            self.bar.write(f"eval at step {step}: {shown}")
+        else:
+            log.info("eval at step %d: %s", step, shown)
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(f"eval/{key}", value, step)
+            for i, (prompt, completion) in enumerate(samples):
+                text = f"**prompt**\n```\n{prompt}\n```\n**completion**\n```\n{completion}\n```"
+                self.writer.add_text(f"eval/sample_{i}", text, step)
+        if self.status is not None:
+            self.status.patch(self._progress(step, {}))
 
     def checkpointed(self, step: int) -> None:
         self.last_checkpoint_step = step

@@ -1,0 +1,221 @@
+"""Held-out evaluation inside the run (spec.eval).
+
+Every spec.eval.everySteps steps and at the last step, `Evaluation.run` measures the
+model on a fixed list of held-out batches, read once at the start: the same rows on
+every host and never trained on (`data.read_train_and_eval`). Batches have
+spec.training.batchSize rows and are split over hosts like training batches, so each
+evaluation reuses one compiled program. Nothing here draws randomness or changes the
+model: a run with eval trains exactly as one without.
+
+Each technique gives a `measure` (host batch -> quantities summed over the global batch)
+and a `summarize` (sums over all batches -> metrics):
+
+- sft, distill: loss (mean NLL per target token) and perplexity;
+- dpo: loss, preference_accuracy, reward_margin, reward_chosen, reward_rejected;
+- grpo: mean_reward and pass_rate (every reward but lengthPenalty positive) of greedy
+  completions of the held-out prompts.
+
+Metrics go to TensorBoard as eval/<name>, to eval.json under output.uri (the history,
+one entry per evaluation) and to status.progress (evalStep, evalLoss, evalMetrics).
+With spec.eval.samples, greedy generations for the first held-out prompts go to
+TensorBoard as text (single-host runs: the decoding loop runs on one host's devices).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.trainer import data, models, sft, storage
+
+log = logging.getLogger("posttrain.eval")
+EVAL_FILE = "eval.json"
+
+Measure = Callable[[dict[str, np.ndarray]], dict[str, Any]]
+Summarize = Callable[[dict[str, float]], dict[str, float]]
+
+
+@dataclass
+class Evaluation:
+    every_steps: int
+    batches: list[dict[str, np.ndarray]]
+    measure: Measure
+    summarize: Summarize
+    prompts: list[str] = field(default_factory=list)
+    generate: Callable[[str], str] | None = None
+    history: History | None = None
+
+    def resume(self, output_uri: str, step: int) -> None:
+        """Continue eval.json under output_uri from a run restored at step."""
+        self.history = History(output_uri, step)
+
+    def due(self, step: int, total: int) -> bool:
+        return step == total or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def evaluate(self, step: int, progress: Any) -> dict[str, float]:
+        """Measure, generate the samples, and report both (eval.json, progress)."""
+        scores, samples = self.run(), self.samples()
+        if self.history is not None:
+            self.history.add(step, scores, samples)
+        progress.evaluated(step, scores, samples)
+        return scores
+
+    def run(self) -> dict[str, float]:
+        sums: dict[str, float] = {"batches": float(len(self.batches))}
+        for batch in self.batches:
+            for key, value in self.measure(batch).items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return self.summarize(sums)
+
+    def samples(self) -> list[tuple[str, str]]:
+        """(prompt, greedy completion) for the sample prompts."""
+        if self.generate is None:
+            return []
+        return [(prompt, self.generate(prompt)) for prompt in self.prompts]
+
+
+def held_out_batches(
+    spec: Any, rows: data.RowSource, process_index: int, process_count: int
+) -> list[dict[str, np.ndarray]]:
+    """This host's share of the held-out batches, in the files' order."""
+    batch_size = spec.training.batch_size
+    if len(rows) < batch_size:
+        raise data.DataError(
+            f"spec.eval: the held-out data has {len(rows)} rows, fewer than "
+            f"spec.training.batchSize ({batch_size}); hold out more (spec.eval.fraction) or "
+            "give more data (spec.eval.source)"
+        )
+    loader = data.DataLoader(
+        rows,
+        batch_size=batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=False,
+    )
+    count = min(spec.eval.max_batches, loader.steps_per_epoch)
+    return list(loader.take(count))
+
+
+def build(
+    spec: Any,
+    tokenizer: data.Tokenizer,
+    held_out: data.RawDataset | None,
+    process: Any,
+    measure: Measure,
+    summarize: Summarize,
+    model: nnx.Module,
+) -> Evaluation | None:
+    """The job's Evaluation (None without spec.eval)."""
+    if held_out is None:
+        return None
+    settings = spec.eval
+    rows = data.build_rows(spec, tokenizer, held_out)
+    batches = held_out_batches(spec, rows, process.process_id, process.num_processes)
+    log.info(
+        "held-out evaluation: %d rows, %d batches of %d every %s",
+        len(rows),
+        len(batches),
+        spec.training.batch_size,
+        f"{settings.every_steps} steps" if settings.every_steps else "run (at the end)",
+    )
+    prompts: list[str] = []
+    generate = None
+    if settings.samples and process.num_processes == 1:
+        prompts = data.generation_prompts(spec, tokenizer, held_out, settings.samples)
+        generate = _greedy(model, tokenizer, settings.max_new_tokens)
+    return Evaluation(settings.every_steps, batches, measure, summarize, prompts, generate)
+
+
+def _greedy(model: nnx.Module, tokenizer: data.Tokenizer, max_new_tokens: int):
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+
+    def generate(prompt: str) -> str:
+        ids = tokenizer.encode(prompt)
+        out = models.greedy_generate(model, tokenizer, ids, max_new_tokens, eos_token_ids=eos)
+        return out.text or ""
+
+    return generate
+
+
+# ------------------------------------------------------------------- per technique
+
+
+def token_loss(model: nnx.Module, to_global: Callable[[Any], Any]) -> tuple[Measure, Summarize]:
+    """Held-out NLL per target token and perplexity (sft, distill: the policy's own
+    likelihood of the held-out answers). to_global: host batch -> global arrays."""
+    nll = nnx.jit(sft.token_nll)
+
+    def measure(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        total, count = nll(model, to_global(batch))
+        return {"nll": total, "tokens": count}
+
+    def summarize(sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["nll"] / max(sums["tokens"], 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+
+    return measure, summarize
+
+
+def batch_means(
+    fn: Callable[[dict[str, Any]], dict[str, Any]], to_global: Callable[[Any], Any]
+) -> tuple[Measure, Summarize]:
+    """For metrics that are means over a batch's rows (dpo): every held-out batch has
+    the same number of rows, so the mean over batches is the mean over rows."""
+
+    def measure(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        return fn(to_global(batch))
+
+    def summarize(sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["batches"], 1.0)
+        return {k: v / n for k, v in sums.items() if k != "batches"}
+
+    return measure, summarize
+
+
+def across_hosts(sums: dict[str, float]) -> dict[str, float]:
+    """Host-local sums (computed outside a global jit, e.g. rewards of host-local
+    generations) added up over every host."""
+    if jax.process_count() == 1:
+        return sums
+    from jax.experimental import multihost_utils
+
+    keys = sorted(sums)
+    local = np.asarray([sums[k] for k in keys], np.float32)
+    total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(keys)).sum(0)
+    return dict(zip(keys, (float(v) for v in total), strict=True))
+
+
+# ------------------------------------------------------------------------ history
+
+
+class History:
+    """eval.json under output.uri: [{"step": N, "metrics": {...}}, ...]. On resume the
+    entries after the restored step are dropped (they are measured again)."""
+
+    def __init__(self, output_uri: str, resumed_step: int):
+        self.uri = storage.join(output_uri, EVAL_FILE)
+        self.entries: list[dict[str, Any]] = []
+        try:
+            previous = json.loads(storage.read_text(self.uri))
+        except (OSError, ValueError):
+            previous = []
+        if isinstance(previous, list):
+            self.entries = [
+                e for e in previous if isinstance(e, dict) and e.get("step", 0) <= resumed_step
+            ]
+
+    def add(self, step: int, metrics: dict[str, float], samples: list[tuple[str, str]]) -> None:
+        entry: dict[str, Any] = {"step": step, "metrics": metrics}
+        if samples:
+            entry["samples"] = [{"prompt": p, "completion": c} for p, c in samples]
+        self.entries.append(entry)
+        if jax.process_index() == 0:
+            storage.write_text(self.uri, json.dumps(self.entries, indent=2) + "\n")
