@@ -17,22 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from invalid_jobs import _all as both
+from invalid_jobs import _set as put
+from invalid_jobs import valid_job
+
 from posttrain.api.documents import parse_documents
 
 Mutation = Callable[[dict[str, Any]], None]
-
-
-def valid_job(name: str = "hostile") -> dict[str, Any]:
-    return {
-        "apiVersion": "posttrain.dev/v1alpha1",
-        "kind": "PostTrainJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"source": "/models/tiny"},
-            "data": {"source": "/data/train.jsonl"},
-            "output": {"uri": "/outputs/run"},
-        },
-    }
 
 
 @dataclass(frozen=True)
@@ -54,27 +45,6 @@ class Hostile:
     def yaml(self, name: str = "hostile") -> str:
         assert self.text is not None
         return self.text.replace("NAME", name)
-
-
-def put(path: str, value: Any) -> Mutation:
-    """Set a dotted path under the document (creating mappings on the way)."""
-
-    def mutate(doc: dict[str, Any]) -> None:
-        *parents, leaf = path.split(".")
-        node = doc
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-
-    return mutate
-
-
-def both(*mutations: Mutation) -> Mutation:
-    def mutate(doc: dict[str, Any]) -> None:
-        for m in mutations:
-            m(doc)
-
-    return mutate
 
 
 def grpo(*rewards: dict[str, Any], **settings: Any) -> Mutation:
@@ -102,10 +72,15 @@ BATCH, STEPS = "spec.training.batchSize", "spec.training.steps"
 TARGETS, PATTERN = "spec.lora.targetModules", "spec.grpo.rewards[0].pattern"
 ACCEL, SCHED = "spec.resources.accelerator", "spec.scheduling"
 
-HEADER = """apiVersion: posttrain.dev/v1alpha1
+META = """apiVersion: posttrain.dev/v1alpha1
 kind: PostTrainJob
 metadata: {name: NAME}
+spec:
 """
+REST = """  data: {source: /data/train.jsonl}
+  output: {uri: /outputs/run}
+"""
+SPEC = META + "  model: {source: /models/tiny}\n" + REST
 
 CASES: list[Hostile] = [
     # -- strict types: the CRD coerces nothing, so neither does validate --------------
@@ -517,144 +492,77 @@ CASES: list[Hostile] = [
     H(
         "yaml-merge-key-later-wins",
         STEPS,
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {steps: 10, <<: {steps: 0}}
-""",
+        text=SPEC + "  training: {steps: 10, <<: {steps: 0}}\n",
     ),
     H(
         "yaml-merge-key-explicit-after",
         None,
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {<<: {steps: 0}, steps: 10}
-""",
+        text=SPEC + "  training: {<<: {steps: 0}, steps: 10}\n",
     ),
     H(
         "yaml-merge-anchor",
         "spec.training.everySteps",
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  checkpoint: &b {everySteps: 5}
+        text=SPEC
+        + """  checkpoint: &b {everySteps: 5}
   training: {<<: *b}
 """,
     ),
     H(
         "yaml-quoted-number",
         BATCH,
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {batchSize: "16"}
-""",
+        text=SPEC + '  training: {batchSize: "16"}\n',
     ),
     H(
         "yaml-yes-is-bool",
         "spec.model.source",
-        text=HEADER
-        + """spec:
-  model: {source: yes}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-""",
+        text=META + "  model: {source: yes}\n" + REST,
     ),
     H(
         "yaml-null-source",
         "spec.model.source",
-        text=HEADER
-        + """spec:
-  model: {source: ~}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-""",
+        text=META + "  model: {source: ~}\n" + REST,
     ),
     H(
         "yaml-nan",
         "spec.training.learningRate",
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {learningRate: .nan}
-""",
+        text=SPEC + "  training: {learningRate: .nan}\n",
     ),
     H(
         "yaml-inf",
         "spec.lora.alpha",
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  lora: {alpha: .inf}
-""",
+        text=SPEC + "  lora: {alpha: .inf}\n",
     ),
     H(
         "yaml-negative-inf",
         "spec.grpo.rewards[0].weight",
-        text=HEADER
-        + """spec:
-  technique: grpo
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
+        text=SPEC
+        + """  technique: grpo
   grpo: {rewards: [{type: exactAnswer, weight: -.inf}]}
 """,
     ),
     H(
         "yaml-sexagesimal",
         "spec.training.steps",
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {steps: 1:30}
-""",
+        text=SPEC + "  training: {steps: 1:30}\n",
     ),
     H(
         "yaml-timestamp-string",
         None,
-        text=HEADER
-        + """spec:
-  model: {source: 2001-12-14}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-""",
+        text=META + "  model: {source: 2001-12-14}\n" + REST,
     ),
     H(
         "yaml-octal-ok",
         None,
-        text=HEADER
-        + """spec:
-  model: {source: /models/tiny}
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-  training: {steps: 0755}
-""",
+        text=SPEC + "  training: {steps: 0755}\n",
     ),
     H(
         "yaml-anchor-reuse-ok",
         None,
-        text=HEADER
-        + """spec:
-  model: &m {source: /models/tiny}
+        text=META
+        + """  model: &m {source: /models/tiny}
   distill: {teacher: *m}
   technique: distill
-  data: {source: /data/train.jsonl}
-  output: {uri: /outputs/run}
-""",
+"""
+        + REST,
     ),
 ]
