@@ -5,6 +5,7 @@ import pytest
 from hostile_jobs import CASES
 
 from posttrain.api.validate import validate
+from posttrain.render import render
 
 
 def test_corpus_is_large_and_ids_unique():
@@ -14,9 +15,10 @@ def test_corpus_is_large_and_ids_unique():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_validate_agrees_with_the_corpus(case):
-    _, errors = validate(case.doc())
+    job, errors = validate(case.doc())
     if case.field is None:
         assert errors == [], [str(e) for e in errors]
+        assert [o["kind"] for o in render(job)][-1] == "JobSet"  # what is admitted renders
         return
     assert errors, f"{case.id} was accepted"
     assert case.field in {e.field for e in errors}, [str(e) for e in errors]
