@@ -18,6 +18,12 @@ import urllib.request
 from pathlib import Path
 
 
+def trainer_images(image: str) -> dict[str, str]:
+    """The operator's environment that gives every job without spec.image `image`,
+    whatever its accelerator kind."""
+    return {f"POSTTRAIN_TRAINER_IMAGE_{kind}": image for kind in ("CPU", "TPU", "GPU")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +96,7 @@ class OperatorProcess:
         self.env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
-            "POSTTRAIN_TRAINER_IMAGE": "posttrain-trainer:test",
+            **trainer_images("posttrain-trainer:test"),
         }
         self.proc: subprocess.Popen | None = None
 

@@ -3,7 +3,7 @@ cluster, with the operator running as a process here (kwok has no kubelet, so th
 chart's Deployment runs as fake pods that do nothing).
 
 The trainer image the operator puts in jobs without `spec.image` (the chart's
-`defaults.trainerImage`) is `posttrain-trainer:slow`, which kwok completes after a few
+`defaults.trainerImages`, for every accelerator kind) is `posttrain-trainer:slow`, which kwok completes after a few
 seconds (scripts/control-plane/kwok-stages.yaml).
 """
 
@@ -21,6 +21,7 @@ from operator_process import (
     chart_identity,
     drop_chart_identity,
     token_kubeconfig,
+    trainer_images,
 )
 
 from tests.cluster import Cluster, unique_name, wait_for
@@ -51,7 +52,7 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
     release = cluster.create_namespace("posttrain-system")
     identity = chart_identity(cluster, release, tmp_path / "operator.kubeconfig")
     operator = OperatorProcess(identity, tmp_path, release, "-n", namespace)
-    operator.env["POSTTRAIN_TRAINER_IMAGE"] = TRAINER
+    operator.env.update(trainer_images(TRAINER))
     try:
         operator.start()
         with guide_shell(request, tmp_path, cluster) as guide:
@@ -98,7 +99,7 @@ def test_operator_guide_helm(cluster: Cluster, tmp_path: Path, request) -> None:
     def start_operator() -> None:
         token = token_kubeconfig(cluster, "posttrain-system", "posttrain", tmp_path / "sa")
         op = OperatorProcess(token, tmp_path, "posttrain-system", "-n", "team-a", identity="op-1")
-        op.env["POSTTRAIN_TRAINER_IMAGE"] = TRAINER
+        op.env.update(trainer_images(TRAINER))
         operators.append(op.start())
 
     with guide_shell(request, tmp_path, cluster) as guide:

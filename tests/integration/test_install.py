@@ -623,6 +623,22 @@ def test_operator_image_pip_install_in_a_fresh_venv(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "--lease-namespace" in proc.stdout, proc.stderr
 
 
+def _pip_resolve(install_args: list[str], cwd: Path, report: Path) -> dict[str, str]:
+    """What `pip install <install_args>` would install (pip --dry-run): name -> version."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), *install_args],
+        cwd=cwd, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    from packaging.utils import canonicalize_name
+
+    return {
+        canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+
+
 def test_trainer_constraints_resolve_to_themselves(tmp_path: Path) -> None:
     """Dockerfile.trainer's `pip install -c docker/constraints-trainer.txt '.[trainer]'`,
     resolved without installing (pip --dry-run): it needs exactly the pinned set, so the
@@ -645,20 +661,25 @@ def test_trainer_constraints_resolve_to_themselves(tmp_path: Path) -> None:
     installs = dockerfiles.pip_installs(df.stage("build"))
     (final,) = [i for i in installs if i.requirements and i.requirements[0].startswith(".")]
     assert final.requirements == [".[trainer]"], final.argv
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-         "--report", str(report), *final.argv[2:]],
-        cwd=src, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    from packaging.utils import canonicalize_name
-
-    resolved = {
-        canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
-        for i in json.loads(report.read_text())["install"]
-    }
+    resolved = _pip_resolve(final.argv[2:], src, tmp_path / "report.json")
     resolved.pop("posttrain")
     pins = dockerfiles.read_constraints(ROOT / "docker" / "constraints-trainer.txt")
     pins.pop("pip")
     assert resolved == pins, "docker/constraints-trainer.txt is not the resolved set"
+
+
+@pytest.mark.parametrize("accelerator", sorted(dockerfiles.TRAINER_ACCELERATORS))
+def test_trainer_accelerator_pins_resolve_to_themselves(tmp_path: Path, accelerator: str) -> None:
+    """Dockerfile.trainer's `pip install -c ... 'jax[<ACCELERATOR>]'` for the TPU and CUDA
+    images, resolved without installing: it adds exactly the accelerator's pins."""
+    df = dockerfiles.parse_dockerfile(ROOT / "Dockerfile.trainer")
+    (inst,) = [
+        i for i in dockerfiles.pip_installs(df.stage("build")) if "jax[$ACCELERATOR]" in i.argv
+    ]
+    argv = [a.replace("$ACCELERATOR", accelerator) for a in inst.argv[2:]]
+    resolved = _pip_resolve(argv, ROOT, tmp_path / "report.json")
+    base = dockerfiles.read_constraints(ROOT / "docker" / "constraints-trainer.txt")
+    extra = dockerfiles.read_constraints(ROOT / "docker" / f"constraints-trainer-{accelerator}.txt")
+    added = {n: v for n, v in resolved.items() if n not in base}
+    assert added == extra, f"docker/constraints-trainer-{accelerator}.txt is not what it adds"
+    assert all(base[n] == v for n, v in resolved.items() if n in base)

@@ -361,7 +361,8 @@ def test_deployment_runs_the_operator() -> None:
     env = env_of(c)
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     values = yaml.safe_load((CHART / "values.yaml").read_text())["defaults"]
-    assert env["POSTTRAIN_TRAINER_IMAGE"] == values["trainerImage"]
+    for kind in ("cpu", "tpu", "gpu"):
+        assert env[f"POSTTRAIN_TRAINER_IMAGE_{kind.upper()}"] == values["trainerImages"][kind]
     assert env["POSTTRAIN_PATHWAYS_SERVER_IMAGE"] == values["pathwaysServerImage"]
     assert env["POSTTRAIN_PATHWAYS_PROXY_IMAGE"] == values["pathwaysProxyImage"]
     assert env["POSTTRAIN_PATHWAYS_HEAD_NODE_POOL"] == values["pathwaysHeadNodePool"]
@@ -379,7 +380,8 @@ def test_operator_defaults_match_the_renderer() -> None:
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())["defaults"]
     cfg = RenderConfig()
-    assert values["trainerImage"] == cfg.trainer_image
+    for kind in ("cpu", "tpu", "gpu"):
+        assert values["trainerImages"][kind] == cfg.trainer_image(kind)
     assert values["pathwaysServerImage"] == cfg.pathways_server_image
     assert values["pathwaysProxyImage"] == cfg.pathways_proxy_image
     assert values["pathwaysHeadNodePool"] == cfg.pathways_head_node_pool
@@ -403,7 +405,7 @@ def test_deployment_args_parse_with_the_operator_cli() -> None:
 def test_values_reach_the_environment() -> None:
     docs = template(
         {
-            "defaults.trainerImage": "r.example/trainer:9",
+            "defaults.trainerImages.tpu": "r.example/trainer:9-tpu",
             "defaults.queue": "team-a",
             "logLevel": "DEBUG",
             "image.tag": "1.2.3",
@@ -411,7 +413,7 @@ def test_values_reach_the_environment() -> None:
     )
     c = container(docs)
     env = env_of(c)
-    assert env["POSTTRAIN_TRAINER_IMAGE"] == "r.example/trainer:9"
+    assert env["POSTTRAIN_TRAINER_IMAGE_TPU"] == "r.example/trainer:9-tpu"
     assert env["POSTTRAIN_DEFAULT_QUEUE"] == "team-a"
     assert env["POSTTRAIN_LOG_LEVEL"] == "DEBUG"
     assert c["image"] == "ghcr.io/posttrain/operator:1.2.3"

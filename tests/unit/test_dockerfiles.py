@@ -35,6 +35,9 @@ IMAGES = {
 }
 # Packages that must never be in the operator image (the posttrain package keeps JAX out).
 JAX_FAMILY = {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "google-tunix", "libtpu"}
+# Dockerfile.trainer's ACCELERATOR values besides cpu, each with its extra pins in
+# docker/constraints-trainer-<accelerator>.txt, and the package that gives JAX the backend.
+TRAINER_ACCELERATORS = {"tpu": "libtpu", "cuda12": "jax-cuda12-plugin"}
 
 
 # -- a small Dockerfile parser ---------------------------------------------------------
@@ -268,10 +271,15 @@ def test_pip_installs_are_pinned_and_name_real_extras(image: str) -> None:
     installs = pip_installs(df.stage("build"))
     assert installs, "the build stage installs with pip"
     constraints = f"docker/constraints-{image}.txt"
+    per_accelerator = f"docker/constraints-{image}-$ACCELERATOR.txt"
     extras_installed: set[str] = set()
     for inst in installs:
         assert inst.pip == "/opt/venv/bin/pip", "install into the venv the final stage copies"
         for f in inst.constraints + inst.requirement_files:
+            if f == per_accelerator and image == "trainer":
+                for acc in TRAINER_ACCELERATORS:
+                    assert (ROOT / f.replace("$ACCELERATOR", acc)).is_file(), acc
+                continue
             assert (ROOT / f).is_file(), f"{image}: {f} does not exist"
             assert f == constraints, f"{image}: pins come from {constraints}"
         assert inst.constraints or inst.requirement_files, f"unpinned: {' '.join(inst.argv)}"
@@ -305,6 +313,21 @@ def test_operator_image_has_no_jax() -> None:
     assert not set(pins) & JAX_FAMILY, "constraints-operator.txt pins JAX packages"
     trainer_pins = read_constraints(ROOT / "docker" / "constraints-trainer.txt")
     assert {"jax", "jaxlib"} <= set(trainer_pins)
+
+
+def test_trainer_accelerator_pins() -> None:
+    """Each accelerator image adds its backend, pinned to match JAX, and repins nothing."""
+    df = parse_dockerfile(IMAGES["trainer"])
+    assert df.stage("build").instructions[0].value == "ACCELERATOR=cpu", "CPU by default"
+    header = "\n".join(df.header)
+    base = read_constraints(ROOT / "docker" / "constraints-trainer.txt")
+    for acc, backend in TRAINER_ACCELERATORS.items():
+        assert f"--build-arg ACCELERATOR={acc}" in header, f"how to build the {acc} image"
+        extra = read_constraints(ROOT / "docker" / f"constraints-trainer-{acc}.txt")
+        assert backend in extra, f"constraints-trainer-{acc}.txt does not pin {backend}"
+        assert not set(extra) & set(base), f"{acc}: repins {set(extra) & set(base)}"
+    cuda = read_constraints(ROOT / "docker" / "constraints-trainer-cuda12.txt")
+    assert cuda["jax-cuda12-plugin"] == cuda["jax-cuda12-pjrt"] == base["jax"]
 
 
 def test_shared_packages_pinned_alike() -> None:
@@ -362,3 +385,37 @@ def test_entrypoint_execs_so_sigterm_reaches_python(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_entrypoint_sources_the_nccl_settings_script(tmp_path: Path) -> None:
+    """POSTTRAIN_NCCL_ENV_SCRIPT's exports reach the trainer's process (LD_LIBRARY_PATH
+    must be set before it starts); a missing script is reported and the trainer runs."""
+    fake = tmp_path / "posttrain"
+    fake.write_text(
+        f"#!{sys.executable}\nimport os\n"
+        "print(os.environ.get('NCCL_NET', '-'), os.environ.get('LD_LIBRARY_PATH', '-'))\n"
+    )
+    fake.chmod(0o755)
+    script = tmp_path / "set_nccl_env.sh"
+    script.write_text(
+        'export NCCL_NET=gIB\nexport LD_LIBRARY_PATH="/usr/local/gib/lib64:$LD_LIBRARY_PATH"\n'
+    )
+
+    def run(path: Path) -> subprocess.CompletedProcess[str]:
+        env = {
+            "PATH": os.environ["PATH"],
+            "POSTTRAIN_BIN": str(fake),
+            "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64",
+            "POSTTRAIN_NCCL_ENV_SCRIPT": str(path),
+        }
+        return subprocess.run(
+            ["sh", str(ENTRYPOINT), "train"], env=env, capture_output=True, text=True, timeout=30
+        )
+
+    ok = run(script)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["gIB", "/usr/local/gib/lib64:/usr/local/nvidia/lib64"]
+    missing = run(tmp_path / "absent.sh")
+    assert missing.returncode == 0 and missing.stdout.split()[0] == "-"
+    assert f"posttrain: {tmp_path / 'absent.sh'} not found" in missing.stderr
+    assert "NCCL plugin installer" in missing.stderr

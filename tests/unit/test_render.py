@@ -267,13 +267,30 @@ def test_user_strings_cannot_inject_yaml():
     ]
 
 
-def test_image_defaults_and_override():
-    job = load_job(GOLDEN / "jobs" / "cpu.yaml")
-    js = render(job, RenderConfig(trainer_image="example.com/t:1"))[-1]
-    assert _pod(js["spec"]["replicatedJobs"][0])["containers"][0]["image"] == "example.com/t:1"
+@pytest.mark.parametrize("name, kind", [("cpu", "cpu"), ("v5e-8", "tpu"), ("h100-2-nodes", "gpu")])
+def test_image_by_accelerator_kind_and_override(name, kind):
+    """The operator's image for the job's accelerator kind, unless spec.image names one;
+    the trainer sees it (its device check names it) and JAX_PLATFORMS of that kind."""
+    config = RenderConfig(
+        trainer_image_cpu="example.com/t:1",
+        trainer_image_tpu="example.com/t:1-tpu",
+        trainer_image_gpu="example.com/t:1-cuda12",
+    )
+    job = load_job(GOLDEN / "jobs" / f"{name}.yaml")
+
+    def trainer(job):
+        pod = _pod(render(job, config)[-1]["spec"]["replicatedJobs"][0])
+        (c,) = [c for c in pod["containers"] if c["name"] == "trainer"]
+        return c
+
+    c = trainer(job)
+    assert c["image"] == config.trainer_image(kind)
+    assert _env(c)["POSTTRAIN_IMAGE"]["value"] == c["image"]
+    platforms = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda"}
+    assert _env(c)["JAX_PLATFORMS"]["value"] == platforms[kind]
     job.spec.image = "example.com/mine:2"
-    js = render(job, RenderConfig(trainer_image="example.com/t:1"))[-1]
-    assert _pod(js["spec"]["replicatedJobs"][0])["containers"][0]["image"] == "example.com/mine:2"
+    c = trainer(job)
+    assert c["image"] == _env(c)["POSTTRAIN_IMAGE"]["value"] == "example.com/mine:2"
 
 
 def test_scheduling_patch():

@@ -1,7 +1,8 @@
 """`posttrain operator`: leader election, metrics/health endpoint, then kopf.
 
 Settings come from flags, with environment defaults for the chart:
-POSTTRAIN_TRAINER_IMAGE, POSTTRAIN_PATHWAYS_SERVER_IMAGE, POSTTRAIN_PATHWAYS_PROXY_IMAGE,
+POSTTRAIN_TRAINER_IMAGE_CPU / _TPU / _GPU (the trainer image per accelerator kind),
+POSTTRAIN_PATHWAYS_SERVER_IMAGE, POSTTRAIN_PATHWAYS_PROXY_IMAGE,
 POSTTRAIN_PATHWAYS_HEAD_NODE_POOL, POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
 """
 
@@ -69,7 +70,9 @@ def _load_kube_config() -> None:
 def _render_config() -> RenderConfig:
     defaults = RenderConfig()
     env = {
-        "trainer_image": "POSTTRAIN_TRAINER_IMAGE",
+        "trainer_image_cpu": "POSTTRAIN_TRAINER_IMAGE_CPU",
+        "trainer_image_tpu": "POSTTRAIN_TRAINER_IMAGE_TPU",
+        "trainer_image_gpu": "POSTTRAIN_TRAINER_IMAGE_GPU",
         "pathways_server_image": "POSTTRAIN_PATHWAYS_SERVER_IMAGE",
         "pathways_proxy_image": "POSTTRAIN_PATHWAYS_PROXY_IMAGE",
         "pathways_head_node_pool": "POSTTRAIN_PATHWAYS_HEAD_NODE_POOL",

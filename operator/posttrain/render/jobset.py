@@ -20,7 +20,7 @@ from typing import Any
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.catalog import NODEPOOL_LABEL, Placement
-from posttrain.render import names, pathways, tpu
+from posttrain.render import gpu, names, pathways, tpu
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONFIG_MOUNT = "/etc/posttrain"
@@ -41,11 +41,18 @@ DISRUPTION_PATTERN = "condition DisruptionTarget matching FailJob rule"
 class RenderConfig:
     """Operator-level defaults a PostTrainJob may leave out."""
 
-    trainer_image: str = "ghcr.io/posttrain/trainer:0.1.0"
+    # Trainer images per accelerator kind (Dockerfile.trainer's ACCELERATOR builds).
+    trainer_image_cpu: str = "ghcr.io/posttrain/trainer:0.1.0"
+    trainer_image_tpu: str = "ghcr.io/posttrain/trainer:0.1.0-tpu"
+    trainer_image_gpu: str = "ghcr.io/posttrain/trainer:0.1.0-cuda12"
     pathways_server_image: str = pathways.SERVER_IMAGE
     pathways_proxy_image: str = pathways.PROXY_IMAGE
     pathways_head_node_pool: str = pathways.HEAD_NODE_POOL  # a CPU node pool
     default_queue: str | None = None
+
+    def trainer_image(self, kind: str) -> str:
+        """The default trainer image of an accelerator kind: cpu, tpu or gpu."""
+        return getattr(self, f"trainer_image_{kind}")
 
 
 def common_labels(job: PostTrainJob) -> dict[str, str]:
@@ -118,6 +125,7 @@ def _trainer_env(job: PostTrainJob, placement: Placement, pathways_head: str | N
             {"name": "JAX_NUM_PROCESSES", "value": str(shape.replicas * shape.pods)},
             {"name": "POSTTRAIN_PODS_PER_JOB", "value": str(shape.pods)},
             _job_index_env("POSTTRAIN_JOB_INDEX"),
+            {"name": "JAX_PLATFORMS", "value": placement.jax_platforms},
         ]
         if placement.is_tpu and spec.resources.slices > 1:
             js = names.jobset_name(job.metadata.name)
@@ -163,11 +171,16 @@ def _trainer_container(
     mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     if job.spec.output.persistent_volume_claim:
         mounts.append({"name": "output", "mountPath": job.spec.output.uri})
+    image = job.spec.image or config.trainer_image(placement.kind)
     container = {
         "name": "trainer",
-        "image": job.spec.image or config.trainer_image,
+        "image": image,
         "command": ["posttrain", "train", "--config", CONFIG_FILE],
-        "env": _trainer_env(job, placement, pathways_head),
+        # POSTTRAIN_IMAGE: named by the trainer's device check when JAX sees other devices.
+        "env": [
+            *_trainer_env(job, placement, pathways_head),
+            {"name": "POSTTRAIN_IMAGE", "value": image},
+        ],
         "ports": [{"name": "jax", "containerPort": names.JAX_COORDINATOR_PORT}],
         "volumeMounts": mounts,
     }
@@ -261,6 +274,8 @@ def _direct_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) 
         "volumes": _volumes(job),
     }
     rjob = _replicated_job(job, shape, pod, "trainer")
+    if placement.kind == "gpu":
+        gpu.decorate(rjob["template"]["spec"]["template"], placement, job.spec.resources.nodes)
     if placement.is_tpu:
         tpu.decorate(
             rjob["template"]["spec"]["template"], use_host_network=job.spec.resources.host_network

@@ -29,8 +29,8 @@ def is_user_error(e: BaseException) -> bool:
     return isinstance(e, ValueError | FileNotFoundError) and "spec." in str(e)
 
 
-def _run(job: PostTrainJob, show_bar: bool) -> int:
-    from posttrain.trainer import distributed, pathways
+def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
+    from posttrain.trainer import device_check, distributed, pathways, storage
 
     try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
         pathways.initialize()
@@ -39,12 +39,21 @@ def _run(job: PostTrainJob, show_bar: bool) -> int:
         return pathways.UNREACHABLE_EXIT_CODE
     info = distributed.process_info()
     distributed.initialize(info)
+    try:
+        if in_pod:  # the devices the operator gave the job (locally: whatever is there)
+            device_check.check(job)
+    except device_check.DeviceMismatch as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return e.exit_code
     from posttrain.trainer.loop import StopFlag, train
 
     stop = StopFlag()
     stop.install()
     try:
         result = train(job, info, show_bar=show_bar, stop=stop)
+    except storage.Unreachable as e:  # a server that did not answer: worth a retry
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
     except Exception as e:
         if is_user_error(e):
             print(f"posttrain: {e}", file=sys.stderr)
@@ -74,7 +83,7 @@ def train_command(args: argparse.Namespace) -> int:
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    return _run(job, show_bar=False)
+    return _run(job, show_bar=False, in_pod=True)
 
 
 def run_command(args: argparse.Namespace) -> int:
