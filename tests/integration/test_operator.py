@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import time
 
 import pytest
@@ -409,9 +410,44 @@ def test_admission_webhook(apiserver: Cluster, namespace: str, tmp_path):
             "create", "-n", namespace, "-f", "-", input=json.dumps(valid_job("fits"))
         )
         assert "created" in ok.stdout
+        _priority_and_queue_references(apiserver, namespace)
     finally:
         op.stop()
         apiserver.kubectl("delete", "validatingwebhookconfiguration", "posttrain.dev", check=False)
+
+
+def _priority_and_queue_references(apiserver: Cluster, namespace: str) -> None:
+    """The webhook reads the classes and queue a job names from the API server: a
+    missing PriorityClass or WorkloadPriorityClass is refused, a missing LocalQueue is
+    an admission warning that kubectl prints."""
+    pc, wpc = f"{namespace}-high", f"{namespace}-urgent"
+
+    def create(name: str, **scheduling) -> subprocess.CompletedProcess:
+        doc = valid_job(name)
+        doc["spec"]["scheduling"] = scheduling
+        return apiserver.kubectl(
+            "create", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False
+        )
+
+    proc = create("no-pc", priorityClass=pc)
+    assert proc.returncode != 0 and f"PriorityClass '{pc}' does not exist" in proc.stderr
+    proc = create("no-wpc", workloadPriorityClass=wpc)
+    assert proc.returncode != 0 and f"WorkloadPriorityClass '{wpc}' does not exist" in proc.stderr
+    classes = [
+        {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+         "metadata": {"name": pc}, "value": 750},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+         "metadata": {"name": wpc}, "value": 750},
+    ]  # fmt: skip
+    apiserver.apply(classes)
+    try:
+        proc = create("with-classes", priorityClass=pc, workloadPriorityClass=wpc)
+        assert proc.returncode == 0, proc.stderr
+        proc = create("no-queue", queue="no-such-queue")
+        assert proc.returncode == 0, proc.stderr
+        assert "LocalQueue 'no-such-queue' does not exist" in proc.stderr  # kubectl: Warning
+    finally:
+        apiserver.delete_all(classes)
 
 
 def test_operator_survives_api_server_restart(apiserver: Cluster, namespace: str, tmp_path):
