@@ -1,11 +1,14 @@
 """Admission checks beyond CEL, and the memory estimate behind one of them."""
 
 import pytest
+from hostile_jobs import CASES as HOSTILE
 from invalid_jobs import CASES, valid_job
 
 from posttrain import capacity, catalog
 from posttrain.api.spec import PostTrainJobSpec
+from posttrain.api.validate import printable, validate
 from posttrain.controller.admission import admission_errors
+from posttrain.controller.webhook import review_response
 
 
 def spec(**changes):
@@ -97,3 +100,15 @@ def test_admission_checks_lora_module_names_against_the_family():
     assert "llama3 models have no module named 'q_einsum', 'kv_einsum'" in err.message
     doc["spec"]["lora"] = {"targetModules": "layers/\\\\d+/attn/q_proj"}  # a regex: not a name list
     assert admission_errors(doc, None) == []
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.id)
+def test_webhook_answers_the_hostile_corpus_as_validate_does(case):
+    doc = case.doc()
+    assert admission_errors(doc, None) == validate(doc)[1]
+    review = {"request": {"uid": "u1", "operation": "CREATE", "object": doc}}
+    response = review_response(review)["response"]
+    assert response["uid"] == "u1" and response["allowed"] == (case.field is None)
+    if case.field is not None:
+        message = response["status"]["message"]
+        assert printable(case.field) in message and "\n" not in message
