@@ -85,3 +85,15 @@ def test_review_carries_the_refusal_and_the_warning():
     response = review_response(review, exists)["response"]
     assert response["allowed"] is True and "LocalQueue 'tpu'" in response["warnings"][0]
     assert "warnings" not in review_response(review)["response"]  # no lookup: no check
+
+
+def test_updates_check_only_changed_names():
+    """A job whose PriorityClass was deleted after it was created can still be suspended;
+    a changed workloadPriorityClass is checked again."""
+    exists, calls = lookup(set())
+    old = job(priorityClass="gone", workloadPriorityClass="urgent")
+    new = job(priorityClass="gone", workloadPriorityClass="urgent", suspend=True)
+    assert reference_checks(new, exists, old) == ([], []) and calls == []
+    new["spec"]["scheduling"]["workloadPriorityClass"] = "other"
+    errors, _ = reference_checks(new, exists, old)
+    assert [e.field for e in errors] == ["spec.scheduling.workloadPriorityClass"]

@@ -26,12 +26,21 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
 Exists = Callable[[str, str, str | None], bool | None]
 
 
-def reference_checks(body: dict[str, Any], exists: Exists) -> tuple[list[FieldError], list[str]]:
+def reference_checks(
+    body: dict[str, Any], exists: Exists, old: dict[str, Any] | None = None
+) -> tuple[list[FieldError], list[str]]:
     """Objects the job names that must exist: a PriorityClass or Kueue
     WorkloadPriorityClass that does not is an error (the pods, or Kueue's Workload, would
     never be created); a missing LocalQueue is a warning (the job waits in phase Queued
-    until it exists). A lookup that failed (None) is neither."""
-    scheduling = (body.get("spec") or {}).get("scheduling") or {}
+    until it exists). A lookup that failed (None) is neither. On update only names that
+    changed are checked, so a job stays editable (say, suspendable) after a class it
+    was created with is gone."""
+    before = ((old or {}).get("spec") or {}).get("scheduling") or {}
+    scheduling = {
+        k: v
+        for k, v in ((body.get("spec") or {}).get("scheduling") or {}).items()
+        if before.get(k) != v
+    }
     namespace = (body.get("metadata") or {}).get("namespace")
     errors: list[FieldError] = []
     warnings: list[str] = []

@@ -34,7 +34,7 @@ def review_response(review: dict[str, Any], exists: Exists | None = None) -> dic
     if request.get("operation") in ("CREATE", "UPDATE") and request.get("object"):
         errors = admission_errors(request["object"], request.get("oldObject"))
         if exists is not None and not errors:
-            errors, warnings = reference_checks(request["object"], exists)
+            errors, warnings = reference_checks(request["object"], exists, request.get("oldObject"))
             if warnings:
                 response["warnings"] = warnings
         if errors:
