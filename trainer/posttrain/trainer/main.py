@@ -2,8 +2,9 @@
 
 Exit codes: 0 done; 65 (USER_ERROR_EXIT_CODE) an error in the job's own input, which the
 JobSet does not retry; 143 stopped by SIGTERM after saving a checkpoint (the JobSet
-restarts the job, which resumes from it); 75 the Pathways proxy did not answer (see
-`posttrain.trainer.pathways`); anything else is a crash worth a restart.
+restarts the job, which resumes from it); 75 a server did not answer: the Pathways proxy
+(see `posttrain.trainer.pathways`) or an hf:// source's Hub (storage.Unreachable), worth a
+restart; anything else is a crash worth a restart.
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ class StorageError(OSError):
     """A URI that cannot be read or written (bad form, missing object)."""
 
 
+class Unreachable(OSError):
+    """A source whose server did not answer (network down, the Hub offline): worth a retry,
+    unlike a wrong name. The message is one line naming the field and the address."""
+
+
 def is_gcs(uri: str | os.PathLike[str]) -> bool:
     """True for gs://bucket/path URIs."""
     return str(uri).startswith(GS_SCHEME)

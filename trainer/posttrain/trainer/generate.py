@@ -1,0 +1,156 @@
+"""`posttrain generate`: try a trained model in one command, on CPU or one GPU.
+
+What to load is one argument: a job file (its export under output.uri/hf), a Hugging Face
+model directory (a merged export, or any model posttrain loads), or a PEFT adapter
+directory (adapter_config.json; the base comes from its base_model_name_or_path). The
+prompt is wrapped in the tokenizer's chat template as a user turn, and the reply is
+printed token by token as it is decoded: greedy by default, sampled with --temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain.api.spec import USER_ERROR_EXIT_CODE
+from posttrain.trainer import data, loop, lora, models, storage
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def resolve(target: str) -> str:
+    """The model or adapter location a target names: a job file's export, or the target."""
+    if target.endswith((".yaml", ".yml")) and Path(target).is_file():
+        from posttrain.api.validate import load_job
+
+        job = load_job(target)
+        return storage.join(job.spec.output.uri, "hf")
+    return target
+
+
+def _base_source(name: str) -> str:
+    """base_model_name_or_path as a posttrain source: a path or gs:// as written, else a
+    Hub repository id."""
+    if storage.is_gcs(name) or Path(name).exists() or name.startswith("hf://"):
+        return name
+    return f"hf://{name}"
+
+
+def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
+    """The model (with its adapter, for an adapter directory) and its tokenizer."""
+    location = loop.local_model_dir(resolve(target), scratch, field="MODEL_OR_JOB")
+    config_path = Path(location) / ADAPTER_CONFIG
+    if not config_path.is_file():
+        model, _ = models.load_model(location)
+        return model, data.load_tokenizer(location)
+    config = json.loads(config_path.read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"MODEL_OR_JOB: {config_path} names no base_model_name_or_path")
+    base_dir = loop.local_model_dir(_base_source(base), scratch, field=f"{config_path}: base")
+    model, _ = models.load_model(base_dir)
+    model = lora.apply_lora(
+        model, int(config["r"]), float(config["lora_alpha"]), config.get("target_modules")
+    )
+    lora.load_peft_adapter(model, location)
+    has_tokenizer = (Path(location) / "tokenizer.json").is_file()
+    return model, data.load_tokenizer(location if has_tokenizer else base_dir)
+
+
+@nnx.jit
+def _next_logits(model, tokens, positions, cache, mask):
+    logits, cache = models.compute_view(model)(tokens, positions, cache, mask)
+    return logits[:, -1].astype(jnp.float32), cache
+
+
+def stream(
+    model: nnx.Module,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Iterator[int]:
+    """New token ids one at a time (prefill, then one step a token with the KV cache):
+    argmax at temperature 0, else drawn from softmax(logits / temperature)."""
+    rng = np.random.default_rng(seed)
+    length = len(prompt_ids)
+    size = length + max_new_tokens
+    cache = models.init_cache(model, 1, size)
+    slots = jnp.arange(size)
+    tokens = jnp.asarray(prompt_ids, jnp.int32)[None]
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+    mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
+    for i in range(max_new_tokens):
+        logits, cache = _next_logits(model, tokens, positions, cache, mask)
+        row = np.asarray(logits[0], np.float64)
+        if temperature > 0:
+            p = np.exp((row - row.max()) / temperature)
+            token = int(rng.choice(len(p), p=p / p.sum()))
+        else:
+            token = int(row.argmax())
+        if token in eos_token_ids:
+            return
+        yield token
+        pos = length + i
+        tokens = jnp.full((1, 1), token, jnp.int32)
+        positions = jnp.full((1, 1), pos, jnp.int32)
+        mask = (slots <= pos)[None, None, :]
+
+
+def prompt_ids(tokenizer: data.Tokenizer, prompt: str, chat_template: str | None) -> list[int]:
+    """The prompt as a user turn in the chat template (plain text without one)."""
+    template = tokenizer.template(chat_template)
+    if template is None:
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def reply(
+    model: nnx.Module, tokenizer: data.Tokenizer, ids: Sequence[int], args: Any
+) -> Iterator[str]:
+    """The decoded reply, piece by piece (a piece is printed once its tokens decode to
+    whole characters)."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    out: list[int] = []
+    shown = ""
+    for token in stream(
+        model,
+        ids,
+        args.max_new_tokens,
+        eos_token_ids=eos,
+        temperature=args.temperature,
+        seed=args.seed,
+    ):
+        out.append(token)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # a multi-byte character still incomplete
+            yield text[len(shown) :]
+            shown = text
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    if args.temperature < 0 or args.max_new_tokens < 1:
+        print("posttrain: --temperature must be >= 0 and --max-new-tokens >= 1", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load(args.target, Path(tempfile.mkdtemp(prefix="posttrain-")))
+        ids = prompt_ids(tokenizer, args.prompt, args.chat_template)
+    except (ValueError, OSError) as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    for piece in reply(model, tokenizer, ids, args):
+        print(piece, end="", flush=True)
+    print()
+    return 0
