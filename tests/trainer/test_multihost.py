@@ -122,15 +122,8 @@ def test_two_processes_match_one(tmp_path: Path):
             assert fetched < total, log
         multi_out = storage.download_dir(multi_uri, tmp_path / "multi")
         _assert_same_losses(tmp_path / "single", multi_out)
-        exported = (multi_out / "hf" / "adapter_model.safetensors").read_bytes()
-
         # Both hosts restart after step 3 and restore their shards from gs://.
-        storage.delete(f"{multi_uri}/checkpoints/6", recursive=True)
-        storage.delete(f"{multi_uri}/hf", recursive=True)
-        logs = _finish(_two_hosts(multi))
-        assert all("resumed from checkpoint step 3" in log for log in logs), logs
-        again = storage.read_bytes(f"{multi_uri}/hf/adapter_model.safetensors")
-        assert again == exported
+        _assert_resumes_from_step_3(multi_uri, lambda: _two_hosts(multi))
 
 
 def _assert_same_losses(single: Path, multi: Path) -> None:
@@ -142,6 +135,17 @@ def _assert_same_losses(single: Path, multi: Path) -> None:
     assert a[6] < a[1]
 
 
+def _assert_resumes_from_step_3(out: str, start) -> None:
+    """Without step 6 and the export, the hosts `start` resume from step 3 and export the
+    same adapter, bit for bit."""
+    exported = storage.read_bytes(f"{out}/hf/adapter_model.safetensors")
+    storage.delete(f"{out}/checkpoints/6", recursive=True)
+    storage.delete(f"{out}/hf", recursive=True)
+    logs = _finish(start())
+    assert all("resumed from checkpoint step 3" in log for log in logs), logs
+    assert storage.read_bytes(f"{out}/hf/adapter_model.safetensors") == exported
+
+
 def test_two_slices_match_one(tmp_path: Path):
     model = make_tiny_llama(tmp_path / "model")
     single = _job(tmp_path, model, tmp_path / "single")
@@ -151,6 +155,8 @@ def test_two_slices_match_one(tmp_path: Path):
     for i, log in enumerate(logs[1:]):  # data parallel over the 2 slices, FSDP inside each
         assert f"process {i} of 2" in log and "mesh dp=2 x fsdp=2 x tp=1" in log, log
     _assert_same_losses(tmp_path / "single", tmp_path / "sliced")
+    # Each slice restores a whole replica of the checkpoint.
+    _assert_resumes_from_step_3(str(tmp_path / "sliced"), lambda: _two_hosts(sliced, slices=2))
 
 
 def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path):
