@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_integer, help="override spec.training.steps")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "run_command"))
 
+    p = sub.add_parser("export", help="export a checkpoint of a run without training")
+    p.add_argument("file", help="the job's PostTrainJob file")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.add_argument("--format", choices=["adapter", "merged"], help="default: spec.output.exportHF")
+    p.add_argument("--output", help="override spec.output.uri (where the run's checkpoints are)")
+    p.set_defaults(func=_lazy("posttrain.trainer.main", "export_command"))
+
     p = sub.add_parser("generate", help="try a trained model: a prompt in, its reply streamed")
     p.add_argument("target", metavar="MODEL_OR_JOB", help="job file, model or adapter directory")
     p.add_argument("--prompt", required=True, help="the user's message")

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +24,9 @@ from tb_events import scalars, texts
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
-from posttrain.trainer import data, storage
+from posttrain.trainer import data, models, storage
 from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.loop import peft_base_model_name, train
+from posttrain.trainer.loop import export_checkpoint, peft_base_model_name, train
 from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
@@ -174,6 +175,24 @@ def test_too_little_held_out_data_names_the_field(model_dir, tmp_path):
     doc["spec"]["eval"] = {"fraction": 0.01}  # 3 rows, fewer than batchSize 8
     with pytest.raises(data.DataError, match=r"spec.eval: the held-out data has 3 rows"):
         run_inprocess(doc)
+
+
+def test_export_a_checkpoint_without_training(model_dir, reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference[0] / "checkpoints", out / "checkpoints")
+    job, errors = validate(job_doc(model_dir, out))
+    assert not errors, errors
+    # The newest checkpoint, as the run exported it: the same adapter bit for bit.
+    step, uri = export_checkpoint(job)
+    assert (step, uri) == (12, str(out / "hf"))
+    assert_bitwise_equal(adapter(out), adapter(reference[0]))
+    # An earlier step, merged: a full model that loads back, beside the run's export.
+    step, uri = export_checkpoint(job, 8, "merged")
+    assert (step, uri) == (8, str(out / "hf-step-8"))
+    merged, _ = models.load_model(uri)
+    assert merged.config.num_layers == models.load_model(model_dir)[0].config.num_layers
+    with pytest.raises(ValueError, match=r"--step: no checkpoint 5 under .* \(there: 4, 8, 12\)"):
+        export_checkpoint(job, 5)
 
 
 @pytest.mark.parametrize(

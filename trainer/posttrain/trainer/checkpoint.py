@@ -79,23 +79,43 @@ class Checkpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def _restore(self, step: int, target: Any) -> Restored:
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
+        return Restored(step, out["state"], dict(out["data"]), dict(out["meta"]))
+
+    def restore(self, step: int, target: Any, field: str = "--step") -> Restored:
+        """Checkpoint `step`, restored into the shapes/shardings of `target`; an error
+        naming `field` and the steps there are when it is absent or unreadable."""
+        steps = self.steps()
+        if step not in steps:
+            there = ", ".join(map(str, steps)) or "none"
+            raise ValueError(
+                f"{field}: no checkpoint {step} under {self.directory} (there: {there})"
+            )
+        try:
+            return self._restore(step, target)
+        except Exception as e:  # noqa: BLE001 - Orbax and tensorstore raise many types
+            raise ValueError(
+                f"{field}: checkpoint {self.directory}/{step} is unreadable ({e})"
+            ) from None
+
     def restore_latest(self, target: Any) -> Restored | None:
         """The newest readable checkpoint, restored into the shapes/shardings of `target`;
         None when there is none."""
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
         unreadable = []
         for step in reversed(self.steps()):
             try:
-                out = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract),
-                        data=ocp.args.JsonRestore(),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
+                restored = self._restore(step, target)
                 self._quarantine(unreadable)
-                return Restored(step, out["state"], dict(out["data"]), dict(out["meta"]))
+                return restored
             except Exception as e:  # noqa: BLE001 - any unreadable step is skipped
                 unreadable.append(step)
                 log.warning(

@@ -461,16 +461,52 @@ def peft_base_model_name(source: str) -> str:
     return str(Path(source).expanduser().resolve())
 
 
+def export_checkpoint(
+    job: PostTrainJob, step: int | None = None, kind: str | None = None
+) -> tuple[int, str | None]:
+    """Export checkpoint `step` (default: the newest readable one) of a job's run without
+    training (`posttrain export`): as `kind` (adapter | merged; default
+    spec.output.exportHF) to output.uri/hf, or output.uri/hf-step-<step> for an explicit
+    step. Returns (step, export URI)."""
+    spec = job.spec
+    if kind == "adapter" and not spec.lora:
+        raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
+    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
+    mesh = models.make_mesh()
+    policy = load_policy(spec, mesh, scratch)
+    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+    with jax.set_mesh(mesh):
+        _shard_like_params(opt, mesh)
+    target = _trainable(policy.model, policy.wrt, opt)
+    checkpoints = Checkpoints(storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep)
+    if step is None:
+        restored = checkpoints.restore_latest(target)
+        if restored is None:
+            raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
+    else:
+        restored = checkpoints.restore(step, target)
+    checkpoints.close()
+    _restore_into(policy.model, policy.wrt, opt, restored.state)
+    name = "hf" if step is None else f"hf-step-{step}"
+    return restored.step, _export(job, policy.model, policy.info, scratch, kind=kind, name=name)
+
+
 def _export(
-    job: PostTrainJob, model: nnx.Module, info: models.ModelInfo, scratch: Path
+    job: PostTrainJob,
+    model: nnx.Module,
+    info: models.ModelInfo,
+    scratch: Path,
+    *,
+    kind: str | None = None,
+    name: str = "hf",
 ) -> str | None:
     spec = job.spec
-    kind = spec.output.export_hf
+    kind = kind or str(spec.output.export_hf)
     if kind == "auto":
         kind = "adapter" if spec.lora else "merged"
     if kind == "none":
         return None
-    out = OutputDir(spec.output.uri, "hf", scratch)
+    out = OutputDir(spec.output.uri, name, scratch)
     if kind == "adapter":
         lora.save_peft_adapter(
             model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)

@@ -98,3 +98,30 @@ def run_command(args: argparse.Namespace) -> int:
         return USER_ERROR_EXIT_CODE
     print(f"posttrain: training {job.metadata.name} -> {job.spec.output.uri}", file=sys.stderr)
     return _run(job, show_bar=True)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """`posttrain export`: a checkpoint of a run as a Hugging Face export, without training."""
+    _setup_logging()
+    overrides = {"spec.output.uri": args.output} if args.output else {}
+    try:
+        job = load_job(args.file, overrides)
+    except (InvalidJob, OSError) as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    from posttrain.trainer import pathways, storage
+    from posttrain.trainer.loop import export_checkpoint
+
+    try:
+        step, uri = export_checkpoint(job, args.step, args.format)
+    except storage.Unreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
+    except Exception as e:
+        flag = isinstance(e, ValueError) and str(e).startswith("--")  # names --step/--format
+        if flag or is_user_error(e):
+            print(f"posttrain: {e}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
+        raise
+    print(f"posttrain: exported step {step} of {job.metadata.name} to {uri}", file=sys.stderr)
+    return 0
