@@ -105,14 +105,14 @@ def make_mesh(
             f"mesh fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices; there are {per_slice}{where}"
         )
     grid = np.concatenate([_slice_grid(g, (1, fsdp, tp)) for g in groups], axis=0)
-    log.info(
-        "mesh dp=%d x fsdp=%d x tp=%d: %d %s devices in %d slice(s)",
+    log.log(
+        logging.INFO if len(devices) > 1 else logging.DEBUG,
+        "mesh dp=%d x fsdp=%d x tp=%d: %d %s devices, one dp entry per slice",
         len(groups),
         fsdp,
         tp,
         len(devices),
         devices[0].device_kind,
-        len(groups),
     )
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
