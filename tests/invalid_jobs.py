@@ -262,6 +262,32 @@ CASES: list[Case] = [
         server=False,
     ),
     Case(
+        "keep-best-without-eval",
+        _set("spec.checkpoint", {"keepBest": "loss"}),
+        "spec.checkpoint.keepBest",
+        "needs spec.eval",
+    ),
+    Case(
+        "keep-best-metric-of-another-technique",
+        _all(
+            _set("spec.eval", {"fraction": 0.1}), _set("spec.checkpoint", {"keepBest": "pass_rate"})
+        ),
+        "spec.checkpoint.keepBest",
+        "a metric the technique reports",
+    ),
+    Case(
+        "export-best-without-keep-best",
+        _all(_set("spec.eval", {"fraction": 0.1}), _set("spec.output.exportFrom", "best")),
+        "spec.output.exportFrom",
+        "needs checkpoint.keepBest",
+    ),
+    Case(
+        "eval-fraction-above-half",
+        _set("spec.eval", {"fraction": 0.9}),
+        "spec.eval.fraction",
+        "less than or equal to 0.5",
+    ),
+    Case(
         "3d-topology-for-v6e",
         _set("spec.resources", {"accelerator": "v6e-64", "topology": "4x4x4"}),
         "spec.resources.topology",

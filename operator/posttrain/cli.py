@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a checkpoint of a run without training")
     p.add_argument("file", help="the job's PostTrainJob file")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    which.add_argument("--best", action="store_true", help="the checkpoint.keepBest checkpoint")
     p.add_argument("--format", choices=["adapter", "merged"], help="default: spec.output.exportHF")
     p.add_argument("--output", help="override spec.output.uri (where the run's checkpoints are)")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "export_command"))

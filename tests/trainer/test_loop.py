@@ -195,6 +195,29 @@ def test_export_a_checkpoint_without_training(model_dir, reference, tmp_path):
         export_checkpoint(job, 5)
 
 
+def test_keep_best_keeps_and_exports_the_best_held_out_step(model_dir, tmp_path):
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(DATA.read_text().splitlines(keepends=True)[-16:]))
+    out = tmp_path / "out"
+    doc = job_doc(model_dir, out)
+    doc["spec"]["eval"] = {"source": str(held_out), "everySteps": 4, "samples": 0}
+    doc["spec"]["checkpoint"]["keepBest"] = "loss"
+    doc["spec"]["output"]["exportFrom"] = "best"
+    result = run_inprocess(doc)
+    losses = {s: m["loss"] for s, m in result.evals.items() if s > 0}
+    best = min(losses, key=losses.get)
+    assert committed_steps(out) == [4, 8, 12]  # the newest, as without keepBest
+    kept = sorted(p.name for p in (out / "checkpoints-best").iterdir() if p.name.isdigit())
+    assert kept == [str(best)], (kept, losses)
+    # The run's export holds the best step's weights: what exporting that step gives.
+    job, _ = validate(doc)
+    assert export_checkpoint(job, best, "adapter")[0] == best
+    exported = load((out / "hf" / "adapter_model.safetensors").read_bytes())
+    at_best = load((out / f"hf-step-{best}" / "adapter_model.safetensors").read_bytes())
+    assert_bitwise_equal(exported, at_best)
+    assert export_checkpoint(job, best=True) == (best, str(out / f"hf-step-{best}"))
+
+
 @pytest.mark.parametrize(
     "source, name",
     [

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from posttrain.api.spec import PostTrainJobSpec, RewardSpec
+from posttrain.api.spec import EVAL_METRICS, PostTrainJobSpec, RewardSpec
 
 TPU_NAME_CEL = r"^(v4|v5e|v5litepod|v5p|v6e|tpu7x)-[0-9]+$"
 
@@ -71,6 +71,32 @@ RULES: list[Rule] = [
         "!has(self.output.persistentVolumeClaim) || self.output.uri.startsWith('/')",
         lambda s: s.output.persistent_volume_claim is None or s.output.uri.startswith("/"),
         "with output.persistentVolumeClaim, output.uri must be the absolute mount path",
+    ),
+    Rule(
+        "checkpoint.keepBest",
+        "!has(self.checkpoint.keepBest) || has(self.eval)",
+        lambda s: s.checkpoint.keep_best is None or s.eval is not None,
+        "checkpoint.keepBest needs spec.eval (the held-out metric it keeps the best of)",
+    ),
+    Rule(
+        "checkpoint.keepBest",
+        "!has(self.checkpoint.keepBest) || "
+        + " || ".join(
+            f"(self.technique == '{t}' && self.checkpoint.keepBest in {list(m)})"
+            for t, m in EVAL_METRICS.items()
+        ),
+        lambda s: (
+            s.checkpoint.keep_best is None
+            or str(s.checkpoint.keep_best) in EVAL_METRICS[str(s.technique)]
+        ),
+        "checkpoint.keepBest must be a metric the technique reports: "
+        + "; ".join(f"{t}: {', '.join(m)}" for t, m in EVAL_METRICS.items()),
+    ),
+    Rule(
+        "output.exportFrom",
+        "self.output.exportFrom != 'best' || has(self.checkpoint.keepBest)",
+        lambda s: s.output.export_from != "best" or s.checkpoint.keep_best is not None,
+        "output.exportFrom best needs checkpoint.keepBest",
     ),
     Rule(
         "training.warmupSteps",
@@ -173,6 +199,7 @@ IMMUTABLE: list[str] = [
     "grpo",
     "dpo",
     "distill",
+    "eval",
     "checkpoint",
     "output",
     "resources",

@@ -360,6 +360,25 @@ class DistillSpec(KubeModel):
     """Weight of the distillation loss; 1 - alpha weighs the hard-label loss."""
 
 
+class EvalMetric(StrEnum):
+    loss = "loss"
+    perplexity = "perplexity"
+    preference_accuracy = "preference_accuracy"
+    reward_margin = "reward_margin"
+    mean_reward = "mean_reward"
+    pass_rate = "pass_rate"
+
+
+# The held-out metrics each technique reports (spec.eval), and those where lower is better.
+EVAL_METRICS: dict[str, tuple[str, ...]] = {
+    "sft": ("loss", "perplexity"),
+    "distill": ("loss", "perplexity"),
+    "dpo": ("loss", "preference_accuracy", "reward_margin"),
+    "grpo": ("mean_reward", "pass_rate"),
+}
+LOWER_IS_BETTER = frozenset({"loss", "perplexity"})
+
+
 class CheckpointSpec(KubeModel):
     """Orbax checkpoints (params, optimizer state and data position)."""
 
@@ -371,6 +390,11 @@ class CheckpointSpec(KubeModel):
 
     async_: bool = Field(default=True, alias="async")
     """Write checkpoints in the background while training continues."""
+
+    keep_best: EvalMetric | None = None
+    """Also keep the checkpoint with the best held-out value of this spec.eval metric
+    (lowest loss or perplexity, highest of the others) under checkpoints-best/. Resume
+    still continues from the newest checkpoint."""
 
 
 class EvalSpec(KubeModel):
@@ -408,6 +432,11 @@ class ExportFormat(StrEnum):
     none = "none"
 
 
+class ExportFrom(StrEnum):
+    last = "last"
+    best = "best"
+
+
 class OutputSpec(KubeModel):
     """Where results go: checkpoints/, tensorboard/ and hf/ under one URI."""
 
@@ -417,6 +446,10 @@ class OutputSpec(KubeModel):
     export_hf: ExportFormat = Field(default=ExportFormat.auto, alias="exportHF")
     """Hugging Face export at the end: adapter (PEFT format, LoRA only), merged (full
     safetensors model), none; auto is adapter with LoRA and merged without."""
+
+    export_from: ExportFrom = ExportFrom.last
+    """Which weights the end-of-run export holds: last (the final step) or best (the
+    checkpoint.keepBest checkpoint)."""
 
     persistent_volume_claim: str | None = Field(
         default=None, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN

@@ -149,3 +149,45 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class BestCheckpoint:
+    """checkpoint.keepBest: the checkpoint with the best held-out value of one metric,
+    kept apart from the newest ones (under checkpoints-best/, one step), with the value in
+    its meta. A resumed run compares against the value found there."""
+
+    def __init__(self, directory: str, metric: str, lower_is_better: bool):
+        self.metric, self.lower = metric, lower_is_better
+        self.checkpoints = Checkpoints(directory, keep=1, asynchronous=False)
+        self.step: int | None = None
+        self.value: float | None = None
+        step = self.checkpoints.latest_step()
+        if step is not None:
+            meta = self.checkpoints.manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+            self.step, self.value = step, float(meta["value"])
+
+    def better(self, value: float) -> bool:
+        if self.value is None:
+            return True
+        return value < self.value if self.lower else value > self.value
+
+    def offer(self, step: int, scores: dict[str, float], state: Any, data_state: dict) -> bool:
+        """Keep `state` as the best when scores[metric] beats the best so far."""
+        value = float(scores[self.metric])
+        if not self.better(value):
+            return False
+        self.checkpoints.save(step, state, data_state, {"metric": self.metric, "value": value})
+        self.checkpoints.wait()
+        self.step, self.value = step, value
+        log.info("best %s so far: %.6g at step %d (kept)", self.metric, value, step)
+        return True
+
+    def restore(self, target: Any) -> Restored:
+        if self.step is None:
+            raise ValueError("checkpoint.keepBest: no best checkpoint was kept")
+        return self.checkpoints.restore(self.step, target, field="checkpoint.keepBest")
+
+    def close(self) -> None:
+        self.checkpoints.close()

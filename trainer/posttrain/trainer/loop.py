@@ -32,10 +32,10 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.batching import batch_split_error
-from posttrain.api.spec import PostTrainJob
+from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
 from posttrain.trainer import data, evaluate, lora, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
-from posttrain.trainer.checkpoint import Checkpoints
+from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.progress import Progress, StatusWriter
 
@@ -368,8 +368,10 @@ def run_steps(
         StatusWriter.from_env() if is_main else None,
         show_bar,
     )
+    best = None
     if evaluation is not None:
         evaluation.resume(spec.output.uri, result.step)
+        best = best_checkpoint(spec)
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
     with jax.set_mesh(mesh):
@@ -393,7 +395,9 @@ def run_steps(
                 window_start, window_tokens = time.monotonic(), 0
             progress.step(result.step, metrics, log_now)
             if evaluation is not None and evaluation.due(result.step, total):
-                result.evals[result.step] = evaluation.evaluate(result.step, progress)
+                scores = result.evals[result.step] = evaluation.evaluate(result.step, progress)
+                if best is not None:
+                    best.offer(result.step, scores, _trainable(model, wrt, opt), loader.get_state())
             if result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop:
                 checkpoints.save(
                     result.step,
@@ -406,7 +410,13 @@ def run_steps(
     checkpoints.close()
     result.stopped_early = result.step < total
     if not result.stopped_early:
+        if str(spec.output.export_from) == "best" and best is not None:
+            restored = best.restore(_trainable(model, wrt, opt))
+            _restore_into(model, wrt, opt, restored.state)
+            log.info("exporting the best %s, step %d", best.metric, restored.step)
         result.export_dir = _export(job, model, policy.info, scratch)
+    if best is not None:
+        best.close()
     progress.close(result.step, metrics)
     tensorboard.sync()
     if not result.stopped_early and is_main:
@@ -461,13 +471,22 @@ def peft_base_model_name(source: str) -> str:
     return str(Path(source).expanduser().resolve())
 
 
+def best_checkpoint(spec: Any) -> BestCheckpoint | None:
+    """checkpoint.keepBest's checkpoint directory (None without keepBest)."""
+    metric = spec.checkpoint.keep_best
+    if metric is None:
+        return None
+    directory = storage.join(spec.output.uri, "checkpoints-best")
+    return BestCheckpoint(directory, str(metric), str(metric) in LOWER_IS_BETTER)
+
+
 def export_checkpoint(
-    job: PostTrainJob, step: int | None = None, kind: str | None = None
+    job: PostTrainJob, step: int | None = None, kind: str | None = None, *, best: bool = False
 ) -> tuple[int, str | None]:
-    """Export checkpoint `step` (default: the newest readable one) of a job's run without
-    training (`posttrain export`): as `kind` (adapter | merged; default
-    spec.output.exportHF) to output.uri/hf, or output.uri/hf-step-<step> for an explicit
-    step. Returns (step, export URI)."""
+    """Export checkpoint `step` (default: the newest readable one; with `best`, the
+    checkpoint.keepBest one) of a job's run without training (`posttrain export`): as
+    `kind` (adapter | merged; default spec.output.exportHF) to output.uri/hf, or
+    output.uri/hf-step-<step> for an explicit step or the best. Returns (step, URI)."""
     spec = job.spec
     if kind == "adapter" and not spec.lora:
         raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
@@ -478,16 +497,25 @@ def export_checkpoint(
     with jax.set_mesh(mesh):
         _shard_like_params(opt, mesh)
     target = _trainable(policy.model, policy.wrt, opt)
-    checkpoints = Checkpoints(storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep)
-    if step is None:
-        restored = checkpoints.restore_latest(target)
-        if restored is None:
-            raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
+    if best:
+        kept = best_checkpoint(spec)
+        if kept is None:
+            raise ValueError("--best: the job has no checkpoint.keepBest")
+        restored = kept.restore(target)
+        kept.close()
     else:
-        restored = checkpoints.restore(step, target)
-    checkpoints.close()
+        checkpoints = Checkpoints(
+            storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep
+        )
+        if step is None:
+            restored = checkpoints.restore_latest(target)
+            if restored is None:
+                raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
+        else:
+            restored = checkpoints.restore(step, target)
+        checkpoints.close()
     _restore_into(policy.model, policy.wrt, opt, restored.state)
-    name = "hf" if step is None else f"hf-step-{step}"
+    name = "hf" if step is None and not best else f"hf-step-{restored.step}"
     return restored.step, _export(job, policy.model, policy.info, scratch, kind=kind, name=name)
 
 

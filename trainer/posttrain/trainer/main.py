@@ -113,7 +113,7 @@ def export_command(args: argparse.Namespace) -> int:
     from posttrain.trainer.loop import export_checkpoint
 
     try:
-        step, uri = export_checkpoint(job, args.step, args.format)
+        step, uri = export_checkpoint(job, args.step, args.format, best=args.best)
     except storage.Unreachable as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE
