@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="override spec.output.uri (where the run's checkpoints are)")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "export_command"))
 
+    p = sub.add_parser("logs", help="the trainer log of a job on a cluster (process 0)")
+    p.add_argument("name", help="the PostTrainJob")
+    p.add_argument("--namespace", "-n", help="default: the kubeconfig context's")
+    p.add_argument("--follow", "-f", action="store_true", help="follow, across restarts")
+    p.set_defaults(func=_lazy("posttrain.logs", "logs_command"))
+
     p = sub.add_parser("generate", help="try a trained model: a prompt in, its reply streamed")
     p.add_argument("target", metavar="MODEL_OR_JOB", help="job file, model or adapter directory")
     p.add_argument("--prompt", required=True, help="the user's message")

@@ -63,7 +63,7 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     if result.stopped_early:
         log.warning("stopped at step %d after saving a checkpoint", result.step)
         return STOPPED_EXIT_CODE
-    if result.export_dir:
+    if result.export_dir and not result.already_finished:
         log.info("exported to %s", result.export_dir)
     return 0
 

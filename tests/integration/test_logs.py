@@ -1,0 +1,84 @@
+"""`posttrain logs` against the real API server: it finds the job, its JobSet and process
+0's pod of the newest restart attempt, and says in one line why there is no log yet (the
+integration tier has no nodes, so no pod starts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from invalid_jobs import valid_job
+
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.integration
+
+
+def posttrain_logs(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "logs", *args],
+        env={**os.environ, **cluster.env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def jobset(name: str) -> dict:
+    pod_template = {
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer", "image": "t"}]}
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name},
+        "spec": {
+            "replicatedJobs": [
+                {"name": "slice", "replicas": 1, "template": {"spec": {"template": pod_template}}}
+            ]
+        },
+    }
+
+
+def trainer_pod(name: str, jobset_name: str, attempt: int, index: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "jobset.sigs.k8s.io/jobset-name": jobset_name,
+                "jobset.sigs.k8s.io/replicatedjob-name": "slice",
+                "jobset.sigs.k8s.io/job-index": "0",
+                "jobset.sigs.k8s.io/restart-attempt": str(attempt),
+                "batch.kubernetes.io/job-completion-index": str(index),
+            },
+        },
+        "spec": {"containers": [{"name": "trainer", "image": "t"}]},
+    }
+
+
+def test_logs_picks_process_zero_of_the_newest_attempt(apiserver: Cluster, namespace: str):
+    job = valid_job("logs-job")
+    apiserver.apply(job, namespace)
+    missing = posttrain_logs(apiserver, "nope", "-n", namespace)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == f"posttrain: no PostTrainJob {namespace}/nope"
+    no_pod = posttrain_logs(apiserver, "logs-job", "-n", namespace)
+    assert no_pod.returncode == 1
+    assert no_pod.stderr.strip().startswith(
+        f"posttrain: {namespace}/logs-job has no trainer pod (phase Pending"
+    ), no_pod.stderr
+
+    apiserver.apply(jobset("logs-job"), namespace)
+    for name, attempt, index in (("old-0", 0, 0), ("new-1", 1, 1), ("new-0", 1, 0)):
+        apiserver.apply(trainer_pod(name, "logs-job", attempt, index), namespace)
+    out = posttrain_logs(apiserver, "logs-job", "-n", namespace)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out
+    assert lines[0] == "--- new-0 (restart attempt 1) ---", lines
+    # The API server's own answer for a pod no node runs yet, in one line.
+    assert lines[1].startswith("posttrain: no log from new-0 yet: "), lines
+    assert len(lines) == 2, lines
