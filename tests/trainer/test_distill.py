@@ -5,18 +5,20 @@ vocabulary refused."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file, save_file
 from tb_events import scalars
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
-from posttrain.trainer import distill
+from posttrain.trainer import distill, models
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.loop import train
 
@@ -138,3 +140,31 @@ def test_held_out_loss_is_reported_and_falls(models_dir, tmp_path):
     result = run(doc)
     losses = [result.evals[s]["loss"] for s in (8, 16)]
     assert losses[1] < losses[0], losses
+
+
+def test_the_example_distils_into_the_teachers_first_layers(tmp_path):
+    """examples/distill-smollm2-cpu.yaml as written, with a tiny 3-layer Llama standing in
+    for the converted SmolLM2: the student is its first layer, trained against all three,
+    and the export is a 1-layer model that loads back. Nothing is fetched."""
+    doc = yaml.safe_load((ROOT / "examples" / "distill-smollm2-cpu.yaml").read_text())
+    spec = doc["spec"]
+    assert spec["model"]["source"] == spec["distill"]["teacher"]["source"]
+    assert all("://" not in s for s in (spec["model"]["source"], spec["data"]["source"]))
+    tiny = str(make_tiny_llama(tmp_path / "llama", layers=3))
+    spec["model"]["source"] = spec["distill"]["teacher"]["source"] = tiny
+    spec["model"]["layers"] = 1
+    spec["data"]["source"] = str(ROOT / spec["data"]["source"])
+    spec["training"].update(steps=2, warmupSteps=1, logEverySteps=1)
+    spec["output"]["uri"] = str(tmp_path / "out")
+    result = run(doc)
+    assert result.step == 2
+    exported = tmp_path / "out" / "hf"
+    assert json.loads((exported / "config.json").read_text())["num_hidden_layers"] == 1
+    student, info = models.load_model(exported)
+    assert info.num_layers == 1
+    assert scalars(tmp_path / "out" / "tensorboard")["train/kl"]
+
+
+def test_more_layers_than_the_source_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"^spec.model.layers: 5, but .* has 2 decoder layers"):
+        models.load_model(make_tiny_llama(tmp_path / "llama"), num_layers=5)

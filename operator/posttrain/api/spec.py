@@ -126,6 +126,10 @@ class ModelSpec(KubeModel):
     Exports: a LoRA adapter in float32, a merged LoRA model in this dtype, a full
     fine-tune in float32."""
 
+    layers: int | None = Field(default=None, ge=1, le=1000)
+    """Use only the first N decoder layers of the source: a smaller model initialised from
+    it (a distillation student, a quick experiment). Exports say N layers. Default: all."""
+
 
 class LoraSpec(KubeModel):
     """Low-rank adapters. When this block is absent the whole model is fine-tuned."""

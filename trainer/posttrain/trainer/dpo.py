@@ -231,6 +231,7 @@ def train(
             reference = "model"
             ref_model, _ = models.load_model(
                 policy.model_dir,
+                num_layers=spec.model.layers,
                 weights=loop.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=mesh,

@@ -352,6 +352,7 @@ class GrpoRun:
         if self.ref_kind == "model":
             self.ref_model, _ = models.load_model(
                 policy.model_dir,
+                num_layers=spec.model.layers,
                 weights=loop.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=mesh,

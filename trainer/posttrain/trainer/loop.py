@@ -293,6 +293,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
         spec.model.source,
         scratch,
         family=spec.model.family,
+        num_layers=spec.model.layers,
         mesh=mesh,
         dtype=compute if spec.lora else jnp.float32,
         compute_dtype=compute,

@@ -751,14 +751,19 @@ def model_info(
     family: str = "auto",
     dtype: Any = jnp.float32,
     compute_dtype: Any = None,
+    num_layers: int | None = None,
+    layers_field: str = "spec.model.layers",
 ) -> tuple[ModelInfo, dict]:
-    """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights."""
+    """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights.
+    ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors)."""
     model_dir = Path(model_dir)
     if family in (None, "", "auto"):
         family = detect_family(model_dir)
     if family not in FAMILIES:
         raise ValueError(f"spec.model.family: {family!r} is not one of auto, {', '.join(FAMILIES)}")
     hf = _text_config(read_hf_config(model_dir))
+    if num_layers is not None:
+        hf = _first_layers(hf, num_layers, model_dir, layers_field)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     config, extras = build_config(family, hf, dtype, compute_dtype)
     config = shard_batch_over_slices(config)
@@ -784,6 +789,17 @@ def model_info(
     return info, extras
 
 
+def _first_layers(hf: dict, num_layers: int, model_dir: Path, field: str) -> dict:
+    """A config.json for the first num_layers decoder layers of hf."""
+    have = int(hf["num_hidden_layers"])
+    if not 1 <= num_layers <= have:
+        raise ValueError(f"{field}: {num_layers}, but {model_dir} has {have} decoder layers")
+    out = {**hf, "num_hidden_layers": num_layers}
+    if isinstance(hf.get("layer_types"), list):  # per-layer attention kinds (Gemma, Qwen)
+        out["layer_types"] = hf["layer_types"][:num_layers]
+    return out
+
+
 def abstract_model(info: ModelInfo, extras: dict, mesh=None) -> nnx.Module:
     """The Tunix model with abstract (shape-only) params."""
     cls = _model_class(info.family)
@@ -804,6 +820,8 @@ def load_model(
     dtype: Any = jnp.float32,
     compute_dtype: Any = None,
     weights: str | None = None,
+    num_layers: int | None = None,
+    layers_field: str = "spec.model.layers",
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
@@ -814,7 +832,14 @@ def load_model(
     ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
     blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
     """
-    info, extras = model_info(model_dir, family=family, dtype=dtype, compute_dtype=compute_dtype)
+    info, extras = model_info(
+        model_dir,
+        family=family,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        num_layers=num_layers,
+        layers_field=layers_field,
+    )
     mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
     reader = _SafetensorsDir(str(weights or model_dir))
     try:
@@ -839,7 +864,7 @@ def load_model(
             for k in reader.keys() - needed
             if not (k.endswith("rotary_emb.inv_freq") or k.endswith("lm_head.weight"))
         )
-        if unused:
+        if unused and num_layers is None:
             log.warning("ignoring %d checkpoint tensors, e.g. %s", len(unused), unused[:5])
         np_dtype = _np_dtype(dtype)
         new_flat = {}
