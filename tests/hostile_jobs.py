@@ -368,9 +368,16 @@ CASES: list[Hostile] = [
         "spec.resources.pathways.serverImage",
         put(
             "spec.resources",
-            {"accelerator": "v6e-16", "pathways": {"enabled": True, "serverImage": "UPPER/Case"}},
+            {
+                "accelerator": "v6e-16",
+                "pathways": {
+                    "enabled": True,
+                    "gcsScratchLocation": "gs://bucket/scratch",
+                    "serverImage": "UPPER/Case",
+                },
+            },
         ),
-    ),  # fmt: skip
+    ),
     H(
         "secret-name-bad",
         "spec.hfTokenSecret.name",
