@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -441,3 +443,37 @@ def test_hf_source_revision(monkeypatch, tmp_path):
     loop.local_model_dir("hf://org/model@v1.0", tmp_path)
     loop.local_model_dir("hf://org/model", tmp_path)
     assert [(r, kw["revision"]) for r, kw in calls] == [("org/model", "v1.0"), ("org/model", None)]
+
+
+def test_a_second_evaluation_compiles_nothing(model_dir, caplog):
+    from posttrain.trainer import evaluate
+    from posttrain.trainer.loop import _global_batch
+
+    doc = job_doc(model_dir, "/unused")
+    doc["spec"]["eval"] = {"fraction": 0.2}
+    job, _ = validate(doc)
+    tokenizer = data.load_tokenizer(str(model_dir))
+    held_out = data.held_out_split(data.read_dataset(str(DATA)), 0.2, seed=0)[1]
+    rows = data.build_rows(job.spec, tokenizer, held_out)
+    model, _ = models.load_model(model_dir)
+    mesh = models.make_mesh()
+    measure, summarize = evaluate.token_loss(model, lambda b: _global_batch(b, mesh))
+    evaluation = evaluate.Evaluation(
+        0, evaluate.held_out_batches(job.spec, rows, 0, 1), measure, summarize
+    )
+    assert len(evaluation.batches) > 1
+
+    def compiles(run) -> tuple[dict, list[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            out = run()
+        return out, [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+
+    jax.config.update("jax_log_compiles", True)
+    try:
+        first, compiled = compiles(evaluation.run)
+        again, recompiled = compiles(evaluation.run)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert compiled  # the first evaluation compiles (so the log would show a second)
+    assert again == first and not recompiled, recompiled

@@ -48,6 +48,7 @@ def assert_evaluated(out: Path, steps: int, every: int) -> None:
     history = json.loads((out / "eval.json").read_text())
     assert [e["step"] for e in history] == list(range(0, steps + 1, every))
     assert history[-1]["samples"][0]["completion"] is not None
+    assert history[-1]["metrics"]["loss"] < history[0]["metrics"]["loss"], history
     assert set(scalars(out / "tensorboard")["eval/loss"]) == {e["step"] for e in history}
 
 
