@@ -60,6 +60,7 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
             "data": {"source": str(ROOT / "examples/data/chat-sft.jsonl"), "maxLength": 64},
             "training": {"steps": 6, "batchSize": 8, "logEverySteps": 2},
             "checkpoint": {"everySteps": 3},
+            "eval": {"fraction": 0.1, "samples": 0},
             "output": {"uri": str(tmp_path / "out")},
         },
     }
@@ -96,8 +97,17 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
     assert progress["step"] == 6 and progress["totalSteps"] == 6
     assert progress["lastCheckpointStep"] == 6
     assert progress["loss"] > 0 and progress["tokensPerSecond"] > 0 and "updatedAt" in progress
+    # The held-out evaluation at the end (spec.eval), kept by the API server as written.
+    assert progress["evalStep"] == 6 and progress["evalLoss"] > 0
+    assert set(progress["evalMetrics"]) == {"loss", "perplexity"}
+    assert progress["evalMetrics"]["loss"] == progress["evalLoss"]
     columns = "-o=custom-columns=STEP:.status.progress.step,TOTAL:.status.progress.totalSteps"
     out = apiserver.kubectl("get", "ptj", "progress", "-n", namespace, columns).stdout.split()
     assert out == ["STEP", "TOTAL", "6", "6"]
+    wide = apiserver.kubectl("get", "ptj", "progress", "-n", namespace, "-o", "wide").stdout
+    header, row = wide.splitlines()[:2]
+    start = header.index("EVAL")  # empty cells are blank: read the column where it is
+    end = header.index("JOBSET")
+    assert float(row[start:end]) == pytest.approx(progress["evalLoss"], rel=1e-3)
     token = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
     assert token not in json.dumps(status)  # no credential leaked into status
