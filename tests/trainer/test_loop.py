@@ -286,6 +286,34 @@ def test_an_unreachable_hub_is_one_line_naming_the_field_and_a_retry(tmp_path):
     ), last
 
 
+def test_an_unreachable_bucket_is_one_line_naming_the_field_and_a_retry(tmp_path):
+    """Cloud Storage does not answer (STORAGE_EMULATOR_HOST at a closed local port): one
+    line naming the field and the address before anything loads, exit 75."""
+    doc = job_doc(tmp_path, tmp_path / "out", steps=2)
+    doc["spec"]["data"]["source"] = "gs://ptdata/chat.jsonl"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    proc = _posttrain_run(job_file, STORAGE_EMULATOR_HOST="http://127.0.0.1:9")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, output
+    assert "Traceback" not in output, output
+    assert (
+        output.strip()
+        .splitlines()[-1]
+        .startswith(
+            "posttrain: spec.data.source: cannot reach gs://ptdata/chat.jsonl at "
+            "http://127.0.0.1:9 (ConnectionRefusedError"
+        )
+    ), output
+
+
+def test_a_missing_bucket_names_the_field():
+    with gcs_bucket("ptexists"):
+        storage.check_reachable("gs://ptexists/data.jsonl", "spec.data.source")
+        with pytest.raises(ValueError, match=r"^spec.output.uri: gs://nope/run: bucket 'nope'"):
+            storage.check_reachable("gs://nope/run", "spec.output.uri")
+
+
 def _wait_for_checkpoint(out: Path | str, proc: subprocess.Popen, timeout: float = 240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

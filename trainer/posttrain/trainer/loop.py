@@ -222,6 +222,8 @@ def train(
     """Train the job to spec.training.steps (or until stopped), resuming if a checkpoint
     exists under output.uri/checkpoints."""
     spec = job.spec
+    for field_name, uri in gcs_locations(spec):
+        storage.check_reachable(uri, field_name)
     if (done := finished_run(spec)) is not None:
         return done
     if spec.technique != "sft":
@@ -423,6 +425,20 @@ def run_steps(
     if not result.stopped_early and is_main:
         _write_summary(spec, result, metrics)
     return result
+
+
+def gcs_locations(spec: Any) -> list[tuple[str, str]]:
+    """(field, URI) of every gs:// location a run reads or writes."""
+    teacher = spec.distill.teacher if spec.distill else None
+    candidates = [
+        ("spec.model.source", spec.model.source),
+        ("spec.data.source", spec.data.source),
+        ("spec.eval.source", spec.eval.source if spec.eval else None),
+        ("spec.distill.teacher.source", teacher.source if teacher else None),
+        ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None),
+        ("spec.output.uri", spec.output.uri),
+    ]
+    return [(f, u) for f, u in candidates if u and storage.is_gcs(u)]
 
 
 SUMMARY = "summary.json"

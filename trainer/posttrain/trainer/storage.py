@@ -285,3 +285,40 @@ def upload_dir(local_dir: str | os.PathLike[str], uri: str) -> None:
         else:
             Path(dst).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dst)
+
+
+def check_reachable(uri: str, field: str) -> None:
+    """One bounded request to a gs:// location's bucket before a run relies on it: a
+    server that does not answer is Unreachable (worth a retry), a missing bucket, missing
+    access or missing credentials a ValueError naming `field`. Local paths pass."""
+    if not is_gcs(uri):
+        return
+    import google.auth.exceptions
+    import requests
+    from google.api_core import exceptions as api
+
+    bucket, _ = split_gcs(uri)
+    try:
+        next(iter(gcs_client().list_blobs(bucket, max_results=1, timeout=10, retry=None)), None)
+    except api.NotFound:
+        raise ValueError(f"{field}: {uri}: bucket {bucket!r} does not exist") from None
+    except api.Forbidden:
+        raise ValueError(f"{field}: {uri}: this identity may not list bucket {bucket!r}") from None
+    except google.auth.exceptions.DefaultCredentialsError:
+        raise ValueError(
+            f"{field}: {uri} needs Google credentials (Workload Identity on GKE, or "
+            "GOOGLE_APPLICATION_CREDENTIALS)"
+        ) from None
+    except (
+        requests.exceptions.RequestException,
+        google.auth.exceptions.TransportError,
+        OSError,
+    ) as e:
+        root: BaseException = e
+        while root.__cause__ or root.__context__:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "storage.googleapis.com"
+        raise Unreachable(
+            f"{field}: cannot reach {uri} at {endpoint} ({type(root).__name__}: "
+            f"{' '.join(str(root).split())[:120]})"
+        ) from None
