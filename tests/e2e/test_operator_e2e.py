@@ -8,6 +8,7 @@ kwok ends a trainer pod according to its image tag (scripts/control-plane/kwok-s
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -182,7 +183,16 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
             timeout=60,
             describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
         )
-        assert "waiting for Kueue queue 'tpu'" in status(cluster, namespace, "queued")["message"]
+        # Kueue's own word on why (zero quota), in plain `kubectl get ptj`.
+        row = wait_for(
+            lambda: (
+                (r := get_row(cluster, namespace, "queued")) and "insufficient quota" in r and r
+            ),
+            timeout=60,
+            describe=lambda: cluster.describe(namespace, "workloads"),
+        )
+        assert "Queued" in row and "Kueue queue 'tpu': couldn't assign flavors" in row, row
+        assert "google.com/tpu" in row, row
         assert pods(cluster, namespace) == []
         cluster.kubectl(
             "patch",
@@ -202,6 +212,124 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
             timeout=30,
             what="Queued, Running and Succeeded events",
         )
+    finally:
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all(queue)
+
+
+def get_row(cluster: Cluster, namespace: str, name: str) -> str:
+    """The job's line in plain `kubectl get ptj` (its columns as a user sees them)."""
+    out = cluster.kubectl("get", "ptj", name, "-n", namespace).stdout
+    header, row = out.splitlines()
+    assert header.split()[-1] == "MESSAGE", header
+    return row
+
+
+def test_accelerator_without_nodes_says_why(cluster: Cluster, namespace: str, operator):
+    doc = valid_job("nowhere")
+    doc["spec"]["image"] = "posttrain-trainer:slow"
+    doc["spec"]["resources"] = {"accelerator": "v5p-16"}  # no v5p nodes in this cluster
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    row = wait_for(
+        lambda: (r := get_row(cluster, namespace, "nowhere")) and "nodes are available" in r and r,
+        timeout=60,
+        describe=lambda: cluster.describe(namespace),
+    )
+    fields = row.split()
+    assert fields[4] == "Pending", row
+    assert "didn't match Pod's node affinity/selector" in row and "preemption" not in row, row
+    st = status(cluster, namespace, "nowhere")
+    running = {c["type"]: c for c in st["conditions"]}["Running"]
+    assert running["status"] == "False" and running["reason"] == "Unschedulable", running
+    # The events tell the story in order, and say why.
+    seen = wait_for(
+        lambda: (r := reasons(cluster, namespace, "nowhere")) and "Unschedulable" in r and r,
+        timeout=30,
+    )
+    assert "Running" not in seen, seen
+    assert seen.index("JobSetCreated") < seen.index("Pending") < seen.index("Unschedulable")
+    time.sleep(3)
+    assert status(cluster, namespace, "nowhere")["phase"] == "Pending"
+
+
+def test_missing_local_queue_says_so(cluster: Cluster, namespace: str, operator):
+    tpu_job(cluster, namespace, "orphan", "posttrain-trainer:slow", queue="no-such-queue")
+    row = wait_for(
+        lambda: (
+            (r := get_row(cluster, namespace, "orphan"))
+            and "no-such-queue" in r
+            and "exist" in r
+            and r
+        ),
+        timeout=60,
+        describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+    )
+    assert row.split()[4] == "Queued", row
+    assert "LocalQueue no-such-queue doesn't exist" in row, row
+    queued = {c["type"]: c for c in status(cluster, namespace, "orphan")["conditions"]}["Queued"]
+    assert queued["status"] == "True" and queued["reason"] == "Inadmissible", queued
+    assert pods(cluster, namespace) == []
+
+
+def test_oom_killed_trainer_is_named_with_its_memory(cluster: Cluster, namespace: str, operator):
+    # kwok ends a `posttrain-trainer:oom` container as the kernel would: OOMKilled, 137.
+    doc = valid_job("hungry")
+    doc["spec"]["image"] = "posttrain-trainer:oom"
+    doc["spec"]["resources"] = {"accelerator": "v6e-8", "memory": "1Gi"}
+    doc["spec"]["scheduling"] = {"maxRestarts": 1}
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    cluster.kubectl(
+        "wait", "--for=condition=Failed", "ptj/hungry", "-n", namespace, "--timeout=180s"
+    )
+    failed = {c["type"]: c for c in status(cluster, namespace, "hungry")["conditions"]}["Failed"]
+    assert failed["reason"] == "OOMKilled", failed
+    row = get_row(cluster, namespace, "hungry")
+    assert row.split()[4] == "Failed", row
+    assert "container trainer of pod hungry-slice-0-" in row, row
+    assert "was killed for using more memory than the node's memory" in row, row
+    # The row shows the first 200 characters; the condition has the whole message.
+    assert "(no memory limit; it requested 1Gi)" in failed["message"], failed
+    assert "reaching max number of restarts" in failed["message"], failed
+    assert "OOMKilled" in reasons(cluster, namespace, "hungry")
+
+
+def test_suspend_while_queued_then_resume(cluster: Cluster, namespace: str, operator):
+    """A user's suspend wins over Kueue's; a resume before admission is Queued again at
+    once (no Pending in between), and admission then runs it."""
+    queue = cluster.tpu_queue(namespace, "tpu", chips=0)
+    cq = queue[1]["metadata"]["name"]
+    try:
+        tpu_job(cluster, namespace, "held", "posttrain-trainer:slow", queue="tpu")
+        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=60)
+        patch = '{"spec":{"scheduling":{"suspend":%s}}}'
+        cluster.kubectl(
+            "patch", "ptj", "held", "-n", namespace, "--type=merge", "-p", patch % "true"
+        )
+        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Suspended", timeout=30)
+        assert pods(cluster, namespace) == []
+        cluster.kubectl(
+            "patch", "ptj", "held", "-n", namespace, "--type=merge", "-p", patch % "false"
+        )
+        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=30)
+        time.sleep(3)
+        assert status(cluster, namespace, "held")["phase"] == "Queued"
+        cluster.kubectl(
+            "patch", "clusterqueue", cq, "--type=json", "-p",
+            '[{"op":"replace","path":"/spec/resourceGroups/0/flavors/0/resources/0/nominalQuota","value":8}]',
+        )  # fmt: skip
+        cluster.kubectl(
+            "wait", "--for=condition=Succeeded", "ptj/held", "-n", namespace, "--timeout=180s"
+        )
+        seen = wait_for(
+            lambda: (r := reasons(cluster, namespace, "held")) and "Succeeded" in r and r,
+            timeout=30,
+        )
+        phases = [
+            r for r in seen if r in ("Pending", "Queued", "Running", "Suspended", "Succeeded")
+        ]
+        after_suspend = phases[phases.index("Suspended") :]
+        assert after_suspend[:2] == ["Suspended", "Queued"], phases
+        assert "Pending" not in phases[: phases.index("Suspended")], phases
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(queue)

@@ -317,6 +317,10 @@ ALLOWED = [
     ("get", "priorityclasses.scheduling.k8s.io/high", "-"),
     ("get", "workloadpriorityclasses.kueue.x-k8s.io/high", "-"),
     ("get", "localqueues.kueue.x-k8s.io/tpu", "other"),
+    ("list", "pods", "-"),
+    ("watch", "pods", "-"),
+    ("list", "workloads.kueue.x-k8s.io", "-"),
+    ("watch", "workloads.kueue.x-k8s.io", "-"),
 ]
 DENIED = [
     ("create", "priorityclasses.scheduling.k8s.io", "-"),
@@ -330,6 +334,10 @@ DENIED = [
     ("create", "pods/exec", "other"),
     ("get", "pods/exec", "other"),
     ("create", "pods", "other"),
+    ("patch", "pods", "other"),
+    ("delete", "pods", "other"),
+    ("update", "pods/status", "other"),
+    ("patch", "workloads.kueue.x-k8s.io", "other"),
     ("get", "pods/log", "other"),
     ("delete", "namespaces", "-"),
     ("create", "namespaces", "-"),

@@ -472,3 +472,180 @@ def test_operator_survives_api_server_restart(apiserver: Cluster, namespace: str
         assert len(jobsets(apiserver, namespace)) == 2
     finally:
         op.stop()
+
+
+def failed_condition(apiserver: Cluster, namespace: str, name: str) -> dict | None:
+    status = get_job(apiserver, namespace, name).get("status") or {}
+    if status.get("phase") != "Failed":
+        return None
+    return {c["type"]: c for c in status["conditions"]}["Failed"]
+
+
+def event_messages(apiserver: Cluster, namespace: str, name: str, reason: str) -> list[str]:
+    items = apiserver.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    ).items
+    return [e.message for e in items if e.reason == reason]
+
+
+def test_jobset_the_api_server_refuses_fails_the_job_once(
+    apiserver: Cluster, namespace: str, tmp_path
+):
+    # The operator's default queue becomes the JobSet's Kueue label; one that is not a
+    # valid label value passes the job's validation (the job names no queue) and the
+    # server refuses the JobSet (422).
+    op = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace)
+    op.env["POSTTRAIN_DEFAULT_QUEUE"] = "team queue\n"
+    op.start()
+    try:
+        create_job(apiserver, namespace, "refused")
+        failed = wait_for(
+            lambda: failed_condition(apiserver, namespace, "refused"),
+            timeout=30,
+            describe=op.logs,
+        )
+        assert failed["reason"] == "InvalidSpec", failed
+        message = get_job(apiserver, namespace, "refused")["status"]["message"]
+        assert message.startswith("the API server refused JobSet refused: ")
+        assert "metadata.labels" in message and "team queue\\n" in message  # escaped
+        assert "\n" not in message and "\n" not in failed["message"]
+        assert jobsets(apiserver, namespace) == []
+        warned = wait_for(
+            lambda: event_messages(apiserver, namespace, "refused", "InvalidSpec"), timeout=20
+        )
+        assert "metadata.labels" in warned[0]
+        # No retry loop: nothing more is written, and the handler did not raise.
+        version = get_job(apiserver, namespace, "refused")["metadata"]["resourceVersion"]
+        time.sleep(5)
+        assert get_job(apiserver, namespace, "refused")["metadata"]["resourceVersion"] == version
+        assert len(event_messages(apiserver, namespace, "refused", "InvalidSpec")) == 1
+        assert not operator_errors(op), op.logs()
+        assert "failed permanently" not in op.logs()
+    finally:
+        op.stop()
+
+
+def operator_errors(op: OperatorProcess) -> float:
+    return sum(
+        op.metric("posttrain_reconcile_errors_total", f'handler="{h}"') or 0
+        for h in ("create", "resync", "jobset")
+    )
+
+
+def foreign_objects(name: str) -> dict[str, dict]:
+    """Objects an attacker made before the job, with the names its objects will have and
+    no owner reference."""
+    meta = {"labels": {"posttrain.dev/job-name": name}}
+    attacker = json.dumps({"spec": {"model": {"source": "gs://attacker/model"}}})
+    return {
+        "ServiceAccount": {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": f"{name}-trainer", **meta},
+        },
+        "Role": {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": f"{name}-trainer", **meta},
+            "rules": [],
+        },
+        "RoleBinding": {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{name}-trainer", **meta},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "x"},
+            "subjects": [{"kind": "ServiceAccount", "name": f"{name}-trainer"}],
+        },
+        "ConfigMap": {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-config", **meta},
+            "data": {"job.json": attacker},
+        },
+        "JobSet": {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {"name": name, **meta},
+            "spec": {
+                "suspend": True,
+                "replicatedJobs": [
+                    {
+                        "name": "node",
+                        "template": {
+                            "spec": {
+                                "template": {
+                                    "spec": {
+                                        "restartPolicy": "Never",
+                                        "containers": [{"name": "c", "image": "attacker"}],
+                                    }
+                                }
+                            }
+                        },
+                    }
+                ],
+            },
+        },
+    }
+
+
+def test_foreign_objects_are_never_used(apiserver: Cluster, namespace: str, operator):
+    kinds = ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "JobSet"]
+    planted = {}
+    for kind in kinds:
+        name = f"victim-{kind.lower()}"
+        obj = foreign_objects(name)[kind]
+        apiserver.apply(obj, namespace)
+        planted[kind] = apiserver.get(kind, obj["metadata"]["name"], namespace)
+    for kind in kinds:
+        create_job(apiserver, namespace, f"victim-{kind.lower()}")
+    for kind in kinds:
+        job, obj = f"victim-{kind.lower()}", planted[kind]
+        failed = wait_for(
+            lambda job=job: failed_condition(apiserver, namespace, job),
+            timeout=30,
+            what=f"{job} failed",
+            describe=operator.logs,
+        )
+        message = get_job(apiserver, namespace, job)["status"]["message"]
+        assert failed["reason"] == "ForeignObject", failed
+        assert f"{kind} {obj['metadata']['name']} already exists and is not owned" in message
+        assert "jobSetName" not in get_job(apiserver, namespace, job)["status"]
+        # Not adopted: the planted object is as it was, owned by no one.
+        now = apiserver.get(kind, obj["metadata"]["name"], namespace)
+        assert now["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"], kind
+        assert not now["metadata"].get("ownerReferences")
+        wait_for(lambda job=job: event_messages(apiserver, namespace, job, "ForeignObject"))
+    # Nothing of the jobs mounts or runs as a planted object: the only JobSet is the
+    # attacker's own, unchanged.
+    (js,) = jobsets(apiserver, namespace)
+    assert js["metadata"]["uid"] == planted["JobSet"]["metadata"]["uid"]
+
+
+def test_leftover_of_an_earlier_job_is_waited_for(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
+    # An object of a deleted job of the same name (the garbage collector has not removed
+    # it yet; this tier runs no garbage collector) is neither used nor a failure.
+    leftover = foreign_objects("again")["ConfigMap"]
+    leftover["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "PostTrainJob",
+            "name": "again",
+            "uid": "00000000-0000-0000-0000-000000000001",
+        }
+    ]
+    apiserver.apply(leftover, namespace)
+    create_job(apiserver, namespace, "again")
+    wait_for(lambda: phase(apiserver, namespace, "again") == "Pending", timeout=30)
+    assert (
+        "waiting for the garbage collector to delete ConfigMap again-config"
+        in (get_job(apiserver, namespace, "again")["status"]["message"])
+    )
+    time.sleep(3)
+    assert jobsets(apiserver, namespace) == []
+    apiserver.kubectl("delete", "configmap", "again-config", "-n", namespace)
+    wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
+    cm = apiserver.core.read_namespaced_config_map("again-config", namespace)
+    uid = get_job(apiserver, namespace, "again")["metadata"]["uid"]
+    assert cm.metadata.owner_references[0].uid == uid

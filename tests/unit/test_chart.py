@@ -59,6 +59,8 @@ EXPECTED_CLUSTER_RULES = {
     ("scheduling.k8s.io", "priorityclasses"): {"get"},
     ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
     ("kueue.x-k8s.io", "localqueues"): {"get"},
+    ("", "pods"): {"list", "watch"},
+    ("kueue.x-k8s.io", "workloads"): {"list", "watch"},
 }
 
 
@@ -275,7 +277,9 @@ def test_cluster_role_is_exactly_what_the_operator_touches() -> None:
         assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(
             r["verbs"]
         )
-        assert not {"secrets", "pods", "pods/exec", "pods/attach"} & set(r["resources"])
+        assert not {"secrets", "pods/exec", "pods/attach", "pods/log"} & set(r["resources"])
+        if "pods" in r["resources"]:
+            assert set(r["verbs"]) == {"list", "watch"}  # read-only
     binding = find(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",

@@ -54,6 +54,7 @@ def test_printer_columns_and_names():
     assert cols["Step"] == ".status.progress.step"
     assert cols["Loss"] == ".status.progress.loss"
     assert list(cols)[:4] == ["Technique", "Model", "Accelerator", "Phase"]
+    assert list(cols)[-1] == "Message" and cols["Message"] == ".status.message"
     assert version["subresources"] == {"status": {}}
     assert crd.crd()["spec"]["names"]["shortNames"] == ["ptj"]
 

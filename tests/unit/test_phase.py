@@ -2,15 +2,44 @@
 
 import pytest
 
-from posttrain.controller.phase import changed, conditions_for, phase_from, status_patch
+from posttrain.api.spec import Phase
+from posttrain.controller.phase import (
+    Observation,
+    changed,
+    conditions_for,
+    observation_patch,
+    one_line,
+    phase_from,
+    pod_state,
+    status_patch,
+    status_reason,
+    workload_state,
+)
 
 
 def jobset(
-    suspend=False, conditions=(), restarts=0, ready=0, active=0, succeeded=0, replicas=1, queue=None
+    suspend=False,
+    conditions=(),
+    restarts=0,
+    ready=0,
+    active=0,
+    succeeded=0,
+    replicas=1,
+    queue=None,
+    parallelism=1,
 ):
     js = {
         "metadata": {"name": "j", "labels": {"kueue.x-k8s.io/queue-name": queue} if queue else {}},
-        "spec": {"suspend": suspend, "replicatedJobs": [{"name": "slice", "replicas": replicas}]},
+        "spec": {
+            "suspend": suspend,
+            "replicatedJobs": [
+                {
+                    "name": "slice",
+                    "replicas": replicas,
+                    "template": {"spec": {"parallelism": parallelism}},
+                }
+            ],
+        },
         "status": {
             "restarts": restarts,
             "conditions": [
@@ -28,7 +57,8 @@ TABLE = [
     # (case, jobset, user suspended, phase, reason)
     ("no jobset yet", None, False, "Pending", "Creating"),
     ("created, no pods", jobset(), False, "Pending", "WaitingForPods"),
-    ("pods active", jobset(active=1), False, "Running", "Running"),
+    ("jobs active, pods not seen", jobset(active=1), False, "Pending", "WaitingForPods"),
+    ("leader job ready", jobset(active=1, ready=1), False, "Running", "Running"),
     ("all ready", jobset(ready=2, replicas=2, active=2), False, "Running", "Running"),
     ("kueue holds it", jobset(suspend=True, queue="q"), False, "Queued", "WaitingForAdmission"),
     ("user suspended with queue", jobset(suspend=True, queue="q"), True, "Suspended", "Suspended"),
@@ -86,7 +116,7 @@ def test_failed_keeps_message_and_restarts():
 
 
 def test_conditions_keep_transition_time_until_status_flips():
-    running = phase_from(jobset(active=1), False)
+    running = phase_from(jobset(active=1, ready=1), False)
     first = conditions_for(running, [], "t1", 1)
     again = conditions_for(running, first, "t2", 1)
     by_type = {c["type"]: c for c in again}
@@ -115,7 +145,7 @@ SPEC = {"output": {"uri": "gs://b/run/"}, "scheduling": {}}
 
 
 def test_status_patch_times_and_outputs():
-    p = status_patch(jobset(active=1), SPEC, {}, "t1", 3)
+    p = status_patch(jobset(active=1, ready=1), SPEC, {}, "t1", 3)
     assert p["phase"] == "Running" and p["startTime"] == "t1" and "completionTime" not in p
     assert p["observedGeneration"] == 3 and p["jobSetName"] == "j"
     assert p["outputs"] == {
@@ -129,7 +159,7 @@ def test_status_patch_times_and_outputs():
 
 def test_status_patch_never_touches_progress():
     previous = {"phase": "Running", "progress": {"step": 10, "loss": 1.5}}
-    assert "progress" not in status_patch(jobset(active=1), SPEC, previous, "t", 1)
+    assert "progress" not in status_patch(jobset(active=1, ready=1), SPEC, previous, "t", 1)
 
 
 def test_finished_job_stays_finished_when_jobset_goes():
@@ -138,7 +168,7 @@ def test_finished_job_stays_finished_when_jobset_goes():
 
 
 def test_changed():
-    p = status_patch(jobset(active=1), SPEC, {}, "t1", 1)
+    p = status_patch(jobset(active=1, ready=1), SPEC, {}, "t1", 1)
     assert changed({}, p)
     assert not changed({**p, "progress": {"step": 1}}, p)
 
@@ -155,7 +185,425 @@ def test_user_error_failure_is_explained():
 
 
 def test_started_job_does_not_fall_back_to_pending():
-    running = status_patch(jobset(active=1), SPEC, {}, "t1", 1)
+    running = status_patch(jobset(active=1, ready=1), SPEC, {}, "t1", 1)
     between = status_patch(jobset(), SPEC, running, "t2", 1)  # pods done, Jobs not yet complete
     assert between["phase"] == "Running"
     assert status_patch(jobset(), SPEC, {}, "t1", 1)["phase"] == "Pending"
+
+
+@pytest.mark.parametrize(
+    "text,limit,expected",
+    [
+        ("plain words", 200, "plain words"),
+        ("two\nlines", 200, "two\\nlines"),
+        ("esc \x1b[31mred", 200, "esc \\x1b[31mred"),
+        ("rtl \u202eevil", 200, "rtl \\u202eevil"),
+        ("tab\there", 200, "tab\\there"),
+        ("x" * 10, 5, "xxxx…"),
+        ("ünïcode stays", 200, "ünïcode stays"),
+    ],
+)
+def test_one_line(text, limit, expected):
+    assert one_line(text, limit) == expected
+
+
+def test_observation_patch_is_terminal_with_reason_and_condition():
+    long = "the API server refused JobSet j: " + "x" * 300 + "\nforged line"
+    p = observation_patch(Observation(Phase.failed, "InvalidSpec", long), SPEC, {}, "t1", 2)
+    assert p["phase"] == "Failed" and p["completionTime"] == "t1" and p["observedGeneration"] == 2
+    assert "\n" not in p["message"] and len(p["message"]) == 200 and p["message"].endswith("…")
+    failed = {c["type"]: c for c in p["conditions"]}["Failed"]
+    assert failed["status"] == "True" and failed["reason"] == "InvalidSpec"
+    assert failed["message"].endswith("\\nforged line")  # whole, on one line
+    assert "jobSetName" not in p
+    # Once failed, nothing more is written (no retry loop rewrites it).
+    again = Observation(Phase.failed, "InvalidSpec", "again")
+    assert observation_patch(again, SPEC, p, "t2", 2) == {}
+    assert status_patch(None, SPEC, p, "t2", 2) == {}
+
+
+# -- pods and Workloads: the reasons come from what the scheduler, kubelet and Kueue wrote
+
+
+def pod(
+    index=0,
+    host=0,
+    phase="Pending",
+    containers=None,
+    conditions=(),
+    attempt=0,
+    memory=None,
+    gates=(),
+):
+    """A JobSet pod as the API server returns it (the fields the phase reads)."""
+    trainer = {"name": "trainer", "image": "ghcr.io/posttrain/trainer:0.1.0"}
+    if memory:
+        trainer["resources"] = {"limits": {"memory": memory}}
+    return {
+        "metadata": {
+            "name": f"j-slice-{index}-{host}-x",
+            "labels": {
+                "jobset.sigs.k8s.io/replicatedjob-name": "slice",
+                "jobset.sigs.k8s.io/job-index": str(index),
+                "jobset.sigs.k8s.io/restart-attempt": str(attempt),
+            },
+        },
+        "spec": {"containers": [trainer], "schedulingGates": [{"name": g} for g in gates]},
+        "status": {
+            "phase": phase,
+            "conditions": list(conditions),
+            "containerStatuses": containers or [],
+        },
+    }
+
+
+def container(state, last=None, image="ghcr.io/posttrain/trainer:0.1.0", restarts=0):
+    out = {"name": "trainer", "image": image, "state": state, "restartCount": restarts}
+    if last:
+        out["lastState"] = last
+    return out
+
+
+RUNNING = container({"running": {"startedAt": "t"}})
+UNSCHEDULABLE = {
+    "type": "PodScheduled",
+    "status": "False",
+    "reason": "Unschedulable",
+    "message": "0/8 nodes are available: 2 node(s) had untolerated taint(s), 6 node(s) didn't "
+    "match Pod's node affinity/selector. preemption: 0/8 nodes are available: 8 Preemption is "
+    "not helpful for scheduling.",
+}
+GATED = {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}
+PULL = container(
+    {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "bad:tag"'}},
+    image="bad:tag",
+)
+OOM = container(
+    {"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+)
+CREATING = container({"waiting": {"reason": "ContainerCreating"}})
+CRASHLOOP = container(
+    {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+    last={"terminated": {"reason": "Error", "exitCode": 1}},
+    restarts=3,
+)
+
+
+def workload(*conditions, active=True):
+    return {
+        "spec": {"active": active},
+        "status": {
+            "conditions": [
+                {"type": t, "status": st, "reason": r, "message": m} for t, st, r, m in conditions
+            ]
+        },
+    }
+
+
+NO_QUEUE = workload(("QuotaReserved", "False", "Inadmissible", "LocalQueue tpu doesn't exist"))
+NO_QUOTA = workload(
+    (
+        "QuotaReserved",
+        "False",
+        "Pending",
+        "couldn't assign flavors to pod set slice: insufficient quota for google.com/tpu in "
+        "flavor v6e-2x4, previously considered podsets requests (0) + current podset request "
+        "(8) > maximum capacity (0)",
+    )
+)
+INACTIVE = workload(("QuotaReserved", "False", "Inadmissible", "ClusterQueue cq is inactive"))
+TWO_HOSTS = {"parallelism": 2}
+
+POD_TABLE = [
+    # (case, jobset, pods, workload, phase, reason, message part)
+    (
+        "no nodes for the accelerator",
+        jobset(active=1),
+        [pod(conditions=[UNSCHEDULABLE])],
+        None,
+        "Pending",
+        "Unschedulable",
+        "pod j-slice-0-0-x: 0/8 nodes are available: 2 node(s) had untolerated taint(s), 6 "
+        "node(s) didn't match Pod's node affinity/selector.",
+    ),
+    (
+        "image cannot be pulled",
+        jobset(active=1),
+        [pod(containers=[PULL])],
+        None,
+        "Pending",
+        "ImagePullBackOff",
+        "container trainer of pod j-slice-0-0-x cannot pull image 'bad:tag': Back-off",
+    ),
+    (
+        "container starting",
+        jobset(active=1),
+        [pod(containers=[CREATING])],
+        None,
+        "Pending",
+        "PodsStarting",
+        "0 of 1 pods running",
+    ),
+    (
+        "pod phase Running but its trainer not yet",
+        jobset(active=1),
+        [pod(phase="Running", containers=[CREATING])],
+        None,
+        "Pending",
+        "PodsStarting",
+        "0 of 1 pods running",
+    ),
+    (
+        "trainer runs",
+        jobset(active=1),
+        [pod(phase="Running", containers=[RUNNING])],
+        None,
+        "Running",
+        "Running",
+        "1 of 1 pods running",
+    ),
+    (
+        "one of two hosts runs",
+        jobset(active=1, **TWO_HOSTS),
+        [pod(phase="Running", containers=[RUNNING]), pod(host=1, containers=[CREATING])],
+        None,
+        "Pending",
+        "PodsStarting",
+        "1 of 2 pods running",
+    ),
+    (
+        "exclusive placement: a follower waits for its gate",
+        jobset(active=1, **TWO_HOSTS),
+        [pod(phase="Running", containers=[RUNNING]), pod(host=1, conditions=[GATED], gates=["g"])],
+        None,
+        "Pending",
+        "SchedulingGated",
+        "pod j-slice-0-1-x is held by scheduling gates g",
+    ),
+    (
+        "leader slice runs, second slice does not yet",
+        jobset(active=2, replicas=2, **TWO_HOSTS),
+        [pod(host=h, phase="Running", containers=[RUNNING]) for h in (0, 1)]
+        + [pod(index=1, host=h, conditions=[UNSCHEDULABLE]) for h in (0, 1)],
+        None,
+        "Running",
+        "Running",
+        "2 of 4 pods running",
+    ),
+    (
+        "the unschedulable pod outranks one starting",
+        jobset(active=1, **TWO_HOSTS),
+        [pod(containers=[CREATING]), pod(host=1, conditions=[UNSCHEDULABLE])],
+        None,
+        "Pending",
+        "Unschedulable",
+        "pod j-slice-0-1-x: 0/8 nodes",
+    ),
+    (
+        "OOMKilled, restarting",
+        jobset(active=1, restarts=1),
+        [pod(phase="Failed", containers=[OOM], attempt=1, memory="16Gi")],
+        None,
+        "Restarting",
+        "OOMKilled",
+        "restart 1: container trainer of pod j-slice-0-0-x was killed for using more memory "
+        "than its limit 16Gi",
+    ),
+    (
+        "OOMKilled without a limit",
+        jobset(active=1, restarts=1),
+        [pod(phase="Failed", containers=[OOM], attempt=1)],
+        None,
+        "Restarting",
+        "OOMKilled",
+        "than the node's memory (no memory limit)",
+    ),
+    (
+        "pods of the attempt before a restart are ignored",
+        jobset(active=1, restarts=1),
+        [pod(phase="Failed", containers=[OOM], attempt=0), pod(attempt=1, containers=[CREATING])],
+        None,
+        "Restarting",
+        "Restarting",
+        "restart 1: 0 of 1 pods running",
+    ),
+    (
+        "failed after OOMs",
+        jobset(restarts=2, conditions=[("Failed", "FailedJobs", "reached max restarts")]),
+        [pod(phase="Failed", containers=[OOM], attempt=2, memory="8Gi")],
+        None,
+        "Failed",
+        "OOMKilled",
+        "container trainer of pod j-slice-0-0-x was killed for using more memory than its limit "
+        "8Gi (reached max restarts)",
+    ),
+    (
+        "a sidecar crash-loops",
+        jobset(active=1),
+        [pod(phase="Running", containers=[CRASHLOOP])],
+        None,
+        "Pending",
+        "CrashLoopBackOff",
+        "container trainer of pod j-slice-0-0-x keeps crashing (3 restarts, last exit code 1)",
+    ),
+    (
+        "Kueue: no such LocalQueue",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        NO_QUEUE,
+        "Queued",
+        "Inadmissible",
+        "Kueue queue 'tpu': LocalQueue tpu doesn't exist",
+    ),
+    (
+        "Kueue: no quota",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        NO_QUOTA,
+        "Queued",
+        "Pending",
+        "Kueue queue 'tpu': couldn't assign flavors to pod set slice: insufficient quota for "
+        "google.com/tpu in flavor v6e-2x4",
+    ),
+    (
+        "Kueue: inactive ClusterQueue",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        INACTIVE,
+        "Queued",
+        "Inadmissible",
+        "ClusterQueue cq is inactive",
+    ),
+    (
+        "Kueue: no Workload yet",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        None,
+        "Queued",
+        "WaitingForAdmission",
+        "waiting for Kueue queue 'tpu'",
+    ),
+    (
+        "Kueue: deactivated",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        workload(active=False),
+        "Queued",
+        "Deactivated",
+        "the Workload is deactivated",
+    ),
+    (
+        "Kueue admitted: the scheduler's word next",
+        jobset(active=1, queue="tpu"),
+        [pod(conditions=[UNSCHEDULABLE])],
+        workload(("QuotaReserved", "True", "QuotaReserved", ""), ("Admitted", "True", "A", "")),
+        "Pending",
+        "Unschedulable",
+        "0/8 nodes are available",
+    ),
+    (
+        "Kueue and suspend: resumed by the user before admission",
+        jobset(active=0, queue="tpu"),
+        [],
+        NO_QUOTA,
+        "Queued",
+        "Pending",
+        "insufficient quota",
+    ),
+    (
+        "Kueue and suspend: evicted, not yet suspended again",
+        jobset(active=1, queue="tpu"),
+        [pod(phase="Running", containers=[RUNNING])],
+        workload(("Evicted", "True", "Preempted", "Preempted to accommodate a workload")),
+        "Queued",
+        "Preempted",
+        "Preempted to accommodate a workload",
+    ),
+    (
+        "Kueue evicted it",
+        jobset(suspend=True, queue="tpu"),
+        [],
+        workload(("Evicted", "True", "Preempted", "Preempted to accommodate a workload")),
+        "Queued",
+        "Preempted",
+        "Kueue queue 'tpu': Preempted to accommodate a workload",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case,js,pods,wl,phase,reason,message", POD_TABLE, ids=[t[0] for t in POD_TABLE]
+)
+def test_phase_from_pods_and_workload(case, js, pods, wl, phase, reason, message):
+    obs = phase_from(
+        js,
+        False,
+        [pod_state(p) for p in pods],
+        workload_state(wl) if wl is not None else None,
+    )
+    assert (obs.phase, obs.reason) == (phase, reason), obs
+    assert message in obs.message, obs.message
+
+
+def test_pending_says_why_in_status_and_running_condition():
+    p = status_patch(
+        jobset(active=1), SPEC, {}, "t1", 1, [pod_state(pod(conditions=[UNSCHEDULABLE]))]
+    )
+    assert p["phase"] == "Pending" and p["message"].startswith("pod j-slice-0-0-x: 0/8 nodes")
+    assert "preemption" not in p["message"]
+    running = {c["type"]: c for c in p["conditions"]}["Running"]
+    assert running["status"] == "False" and running["reason"] == "Unschedulable"
+    assert status_reason(p) == "Unschedulable"
+    assert status_reason(status_patch(None, SPEC, {}, "t1", 1)) == "Creating"
+    done = status_patch(
+        jobset(conditions=[("Completed", "AllJobsCompleted", "ok")]), SPEC, p, "t", 1
+    )
+    assert status_reason(done) == "Completed"
+
+
+def test_running_job_does_not_flap_while_pods_finish():
+    up = [pod_state(pod(phase="Running", containers=[RUNNING]))]
+    running = status_patch(jobset(active=1), SPEC, {}, "t1", 1, up)
+    assert running["phase"] == "Running"
+    done = [pod_state(pod(phase="Succeeded"))]
+    assert status_patch(jobset(active=1), SPEC, running, "t2", 1, done)["phase"] == "Running"
+    # ... but pods that wait again (a resume after suspend) are Pending again.
+    waiting = [pod_state(pod(conditions=[UNSCHEDULABLE]))]
+    assert status_patch(jobset(active=1), SPEC, running, "t2", 1, waiting)["phase"] == "Pending"
+
+
+ADMITTED = workload(("QuotaReserved", "True", "QuotaReserved", ""), ("Admitted", "True", "A", ""))
+
+
+@pytest.mark.parametrize(
+    "case,js,user_suspended,wl,phase",
+    [
+        (
+            "user suspends while queued",
+            jobset(suspend=True, queue="q"),
+            True,
+            NO_QUOTA,
+            "Suspended",
+        ),
+        (
+            "user suspends while admitted",
+            jobset(suspend=True, queue="q"),
+            True,
+            ADMITTED,
+            "Suspended",
+        ),
+        (
+            "user resumes, Kueue re-suspends",
+            jobset(suspend=True, queue="q"),
+            False,
+            NO_QUOTA,
+            "Queued",
+        ),
+        ("user resumes, Kueue not yet", jobset(queue="q"), False, NO_QUOTA, "Queued"),
+        ("admitted again, pods starting", jobset(active=1, queue="q"), False, ADMITTED, "Pending"),
+    ],
+)
+def test_user_suspend_with_kueue(case, js, user_suspended, wl, phase):
+    """spec.scheduling.suspend wins while set; after a resume the job is Queued until Kueue
+    admits it (never Pending in between), then follows its pods."""
+    assert phase_from(js, user_suspended, [], workload_state(wl)).phase == phase

@@ -35,18 +35,29 @@ def _custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi(_api_client())
 
 
-def _creator(kind: str) -> Callable[[str, dict[str, Any]], Any]:
-    api = _api_client()
-    core, rbac, custom = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), _custom()
-    return {
-        "ServiceAccount": core.create_namespaced_service_account,
-        "ConfigMap": core.create_namespaced_config_map,
-        "Role": rbac.create_namespaced_role,
-        "RoleBinding": rbac.create_namespaced_role_binding,
-        "JobSet": lambda ns, body, **kw: custom.create_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, body, **kw
-        ),
-    }[kind]
+# The kinds of a job's objects other than its JobSet: (client API, method name part).
+_TYPED = {
+    "ServiceAccount": (client.CoreV1Api, "service_account"),
+    "ConfigMap": (client.CoreV1Api, "config_map"),
+    "Role": (client.RbacAuthorizationV1Api, "role"),
+    "RoleBinding": (client.RbacAuthorizationV1Api, "role_binding"),
+}
+
+
+def _method(kind: str, verb: str) -> Callable[..., Any]:
+    """The client call that does `verb` ("create" or "read") to a job's object of `kind`:
+    create(namespace, body, **kw), read(name, namespace, **kw)."""
+    if kind == "JobSet":
+        custom = _custom()
+        if verb == "create":
+            return lambda ns, body, **kw: custom.create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, body, **kw
+            )
+        return lambda name, ns, **kw: custom.get_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, name, **kw
+        )
+    api, name = _TYPED[kind]
+    return getattr(api(_api_client()), f"{verb}_namespaced_{name}")
 
 
 def temporary(e: Exception) -> kopf.TemporaryError:
@@ -54,18 +65,90 @@ def temporary(e: Exception) -> kopf.TemporaryError:
     return kopf.TemporaryError(f"Kubernetes API: {e}", delay=2)
 
 
-def create_if_absent(namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
-    """Create obj and return the stored object; None if it already existed. A refusal is
-    permanent, except 404 (something it refers to is not there yet): that retries."""
+class Refused(Exception):
+    """Creating one of a job's objects cannot succeed by retrying: the API server refused
+    it, or an object of that name exists that the job does not own. `reason` is the
+    job's condition reason, str(self) the one-line message."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Leftover(kopf.TemporaryError):
+    """An object of the job's name is left from a deleted job of the same name."""
+
+
+# Answers that a later retry can change: not found yet (something it refers to), a
+# timeout, a conflict, throttling, and a ResourceQuota that is full for now (403). Any
+# other 4xx is the server refusing the object.
+RETRIABLE_4XX = {404, 408, 409, 429}
+
+
+def _server_message(e: ApiException) -> str:
     try:
-        response = _creator(obj["kind"])(namespace, obj, _preload_content=False)
-        return json.loads(response.data)
+        return json.loads(e.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(e.reason or e.status)
+
+
+def owner_uids(obj: dict[str, Any]) -> set[str]:
+    return {r.get("uid") for r in obj.get("metadata", {}).get("ownerReferences") or []}
+
+
+def owned(namespace: str, existing: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+    """`existing` if it belongs to the job that `wanted` is rendered for. A leftover of an
+    earlier job of the same name is waited for (the garbage collector removes it); any
+    other object is never used."""
+    kind, name = wanted["kind"], wanted["metadata"]["name"]
+    mine = owner_uids(wanted)
+    if owner_uids(existing) & mine:
+        return existing
+    (job_ref,) = wanted["metadata"]["ownerReferences"]
+    earlier = [
+        r
+        for r in existing.get("metadata", {}).get("ownerReferences") or []
+        if r.get("kind") == job_ref["kind"]
+        and r.get("apiVersion") == job_ref["apiVersion"]
+        and r.get("name") == job_ref["name"]
+    ]
+    if earlier:
+        raise Leftover(
+            f"waiting for the garbage collector to delete {kind} {name} "
+            "of an earlier job of this name",
+            delay=5,
+        )
+    raise Refused(
+        "ForeignObject",
+        f"{kind} {name} already exists and is not owned by this job; "
+        f"the operator will not use it: delete it, or rename the job",
+    )
+
+
+def create_or_get_owned(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Create obj; (stored object, True). If it exists and the job owns it (by UID):
+    (that object, False). Raises Refused when it exists and is someone else's, or the
+    API server refuses it for a reason retrying cannot fix; transient errors retry."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    try:
+        response = _method(kind, "create")(namespace, obj, _preload_content=False)
+        return json.loads(response.data), True
     except ApiException as e:
         if e.status == 409:
-            return None
-        if e.status and 400 <= e.status < 500 and e.status != 404:
-            raise kopf.PermanentError(
-                f"{obj['kind']} {obj['metadata']['name']}: {e.reason}: {e.body}"
+            existing = _call(
+                lambda: json.loads(
+                    _method(kind, "read")(name, namespace, _preload_content=False).data
+                )
+            )
+            if existing is None:  # deleted meanwhile
+                raise kopf.TemporaryError(f"{kind} {name} was just deleted", delay=1) from e
+            return owned(namespace, existing, obj), False
+        if e.status == 403 and "exceeded quota" in _server_message(e):
+            raise kopf.TemporaryError(f"{kind} {name}: {_server_message(e)}", delay=30) from e
+        if e.status and 400 <= e.status < 500 and e.status not in RETRIABLE_4XX:
+            raise Refused(
+                "InvalidSpec",
+                f"the API server refused {kind} {name}: {_server_message(e)}",
             ) from e
         raise temporary(e) from e
     except urllib3.exceptions.HTTPError as e:
@@ -136,6 +219,8 @@ def patch_job_status(
 _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="create")
 
 
-def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """create_if_absent for several independent objects at once (one round trip deep)."""
-    return list(_pool.map(lambda obj: create_if_absent(namespace, obj), objects))
+def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
+    """create_or_get_owned for several independent objects at once (one round trip deep);
+    the first error of any of them is raised once all have answered."""
+    futures = [_pool.submit(create_or_get_owned, namespace, obj) for obj in objects]
+    return [f.result() for f in futures]

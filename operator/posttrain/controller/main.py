@@ -22,7 +22,7 @@ import threading
 import kopf
 from kubernetes import config as kube_config
 
-from posttrain.controller import handlers, metrics, webhook
+from posttrain.controller import handlers, metrics, watches, webhook
 from posttrain.controller.leader import LeaseElector
 from posttrain.render import RenderConfig
 
@@ -95,6 +95,7 @@ def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.networking.connect_timeout = 5
     settings.watching.server_timeout = 120
     settings.watching.reconnect_backoff = 1.0
+    watches.selectors(settings)
     return settings
 
 

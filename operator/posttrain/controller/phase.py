@@ -1,12 +1,19 @@
-"""Decide a PostTrainJob's status from its JobSet: pure functions, table-tested.
+"""Decide a PostTrainJob's status from what runs it: pure functions, table-tested.
 
-`observe(jobset, spec, previous, now)` returns the status fields the operator owns
-(phase, message, conditions, restarts, times). It never touches `progress`, which the
-trainer writes.
+The inputs are the JobSet, a summary of each of its pods (`pod_state`) and of its Kueue
+Workload (`workload_state`); the controller gathers those from its watches.
+`status_patch(...)` returns the status fields the operator owns (phase, message,
+conditions, restarts, times). It never touches `progress`, which the trainer writes.
+
+Running means the trainer runs: every pod of the leader slice (the first replicated job,
+index 0) has all its containers running. Until then the job is Pending (Restarting after
+a restart) with the reason it waits, from the real sources: Kueue's Workload conditions,
+the scheduler's PodScheduled condition, the kubelet's container states.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +22,29 @@ from posttrain.render.jobset import KUEUE_QUEUE_LABEL
 
 TERMINAL = {Phase.succeeded, Phase.failed}
 CONDITION_TYPES = ["Queued", "Running", "Suspended", "Succeeded", "Failed"]
+# status.message is a printer column: one line, short enough for a terminal; the
+# condition carries the whole (one-line) text.
+MESSAGE_MAX = 200
+CONDITION_MESSAGE_MAX = 4000
+
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+# Container waiting reasons that are only steps of a normal start.
+STARTING = {"ContainerCreating", "PodInitializing"}
+# Reasons a user has to act on: their transitions are Warning Events.
+WARNINGS = {
+    "Unschedulable",
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "Inadmissible",
+    "Evicted",
+}
 
 
 @dataclass(frozen=True)
@@ -25,23 +55,198 @@ class Observation:
     restarts: int = 0
 
 
-def _condition(jobset: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    for c in jobset.get("status", {}).get("conditions") or []:
+@dataclass(frozen=True)
+class Cause:
+    """Why a pod does not run, in the words of the component that knows."""
+
+    reason: str
+    message: str
+    rank: int  # lower: more telling (a container OOMKilled beats a pod waiting for it)
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the phase needs of one pod."""
+
+    name: str
+    replicated_job: str
+    job_index: int
+    attempt: int | None  # the JobSet restart it belongs to
+    running: bool  # every container runs
+    done: bool  # succeeded
+    cause: Cause | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    """What the phase needs of a Kueue Workload."""
+
+    admitted: bool
+    reason: str | None = None
+    message: str | None = None
+
+
+def _true(obj: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype and c.get("status") == "True":
             return c
     return None
 
 
-def _expected_jobs(jobset: dict[str, Any]) -> int:
-    return sum(int(r.get("replicas", 1)) for r in jobset.get("spec", {}).get("replicatedJobs", []))
+def _condition(jobset: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return _true(jobset, ctype)
 
 
-def phase_from(jobset: dict[str, Any] | None, user_suspended: bool) -> Observation:
-    """The phase a JobSet's state means for its PostTrainJob."""
+def _container_cause(pod_name: str, spec: dict[str, Any], cs: dict[str, Any]) -> Cause | None:
+    name = cs.get("name", "?")
+    for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+        if (state.get("terminated") or {}).get("reason") == "OOMKilled":
+            resources = next(
+                (
+                    c.get("resources") or {}
+                    for c in spec.get("containers", []) + spec.get("initContainers", [])
+                    if c.get("name") == name
+                ),
+                {},
+            )
+            limit = (resources.get("limits") or {}).get("memory")
+            request = (resources.get("requests") or {}).get("memory")
+            where = (
+                f"its limit {limit}"
+                if limit
+                else "the node's memory (no memory limit"
+                + (f"; it requested {request})" if request else ")")
+            )
+            return Cause(
+                "OOMKilled",
+                f"container {name} of pod {pod_name} was killed for using more memory than {where}",
+                0,
+            )
+    waiting = (cs.get("state") or {}).get("waiting") or {}
+    reason = waiting.get("reason")
+    if not reason or reason in STARTING:
+        return None
+    detail = waiting.get("message") or ""
+    if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+        text = f"container {name} of pod {pod_name} cannot pull image {cs.get('image')!r}"
+        return Cause(reason, f"{text}: {detail}" if detail else text, 1)
+    if reason == "CrashLoopBackOff":
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        exit_code = f", last exit code {last['exitCode']}" if "exitCode" in last else ""
+        return Cause(
+            reason,
+            f"container {name} of pod {pod_name} keeps crashing "
+            f"({cs.get('restartCount', 0)} restarts{exit_code})",
+            1,
+        )
+    text = f"container {name} of pod {pod_name}: {reason}"
+    return Cause(reason, f"{text}: {detail}" if detail else text, 1)
+
+
+def pod_state(pod: dict[str, Any]) -> PodState:
+    """The summary of one of a JobSet's pods that `phase_from` decides from."""
+    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    name = meta.get("name", "?")
+    statuses = status.get("containerStatuses") or []
+    running = (
+        status.get("phase") == "Running"
+        and len(statuses) >= len(spec.get("containers") or [None])
+        and all("running" in (cs.get("state") or {}) for cs in statuses)
+    )
+    causes = [
+        c
+        for cs in (status.get("initContainerStatuses") or []) + statuses
+        if (c := _container_cause(name, spec, cs))
+    ]
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            if c.get("reason") == "SchedulingGated":
+                gates = ", ".join(g.get("name", "?") for g in spec.get("schedulingGates") or [])
+                causes.append(
+                    Cause("SchedulingGated", f"pod {name} is held by scheduling gates {gates}", 3)
+                )
+            else:
+                # The scheduler's summary; what follows ". preemption:" is its own bookkeeping.
+                message = (c.get("message") or "").split(" preemption:")[0].rstrip()
+                causes.append(
+                    Cause(c.get("reason") or "Unschedulable", f"pod {name}: {message}", 2)
+                )
+    attempt = labels.get(RESTART_ATTEMPT_LABEL)
+    return PodState(
+        name=name,
+        replicated_job=labels.get(REPLICATED_JOB_LABEL, ""),
+        job_index=int(labels.get(JOB_INDEX_LABEL) or 0),
+        attempt=int(attempt) if attempt and attempt.isdigit() else None,
+        running=running,
+        done=status.get("phase") == "Succeeded",
+        cause=min(causes, key=lambda c: c.rank) if causes else None,
+    )
+
+
+def workload_state(workload: dict[str, Any]) -> WorkloadState:
+    """The summary of a Kueue Workload that `phase_from` decides from: admitted, or why
+    not, in Kueue's words (its QuotaReserved/Admitted/Evicted conditions)."""
+    if (workload.get("spec") or {}).get("active") is False:
+        return WorkloadState(False, "Deactivated", "the Workload is deactivated (spec.active)")
+    if _true(workload, "Admitted"):
+        return WorkloadState(True)
+    for ctype in ("Evicted", "Preempted"):
+        if c := _true(workload, ctype):
+            return WorkloadState(False, c.get("reason") or ctype, c.get("message"))
+    for c in (workload.get("status") or {}).get("conditions") or []:
+        if (
+            c.get("type") in ("QuotaReserved", "Admitted")
+            and c.get("status") == "False"
+            and c.get("message")
+        ):
+            return WorkloadState(False, c.get("reason") or "Pending", c["message"])
+    return WorkloadState(False)
+
+
+def _leader(jobset: dict[str, Any]) -> tuple[str, int, int]:
+    """The first replicated job's name, its pods per Job, and its Jobs."""
+    first = (jobset.get("spec", {}).get("replicatedJobs") or [{}])[0]
+    pods = int(((first.get("template") or {}).get("spec") or {}).get("parallelism") or 1)
+    return first.get("name", ""), pods, int(first.get("replicas", 1))
+
+
+def _expected_pods(jobset: dict[str, Any]) -> int:
+    return sum(
+        int(r.get("replicas", 1))
+        * int(((r.get("template") or {}).get("spec") or {}).get("parallelism") or 1)
+        for r in jobset.get("spec", {}).get("replicatedJobs", [])
+    )
+
+
+def _queued(jobset: dict[str, Any], workload: WorkloadState | None, restarts: int) -> Observation:
+    queue = jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL)
+    if workload is not None and workload.message:
+        return Observation(
+            Phase.queued,
+            workload.reason or "WaitingForAdmission",
+            f"Kueue queue {queue!r}: {workload.message}",
+            restarts,
+        )
+    return Observation(
+        Phase.queued, "WaitingForAdmission", f"waiting for Kueue queue {queue!r}", restarts
+    )
+
+
+def phase_from(
+    jobset: dict[str, Any] | None,
+    user_suspended: bool,
+    pods: Iterable[PodState] = (),
+    workload: WorkloadState | None = None,
+) -> Observation:
+    """The phase that a JobSet, its pods and its Workload mean for the PostTrainJob."""
     if jobset is None:
         return Observation(Phase.pending, "Creating", "creating the JobSet")
     status = jobset.get("status") or {}
     restarts = int(status.get("restarts") or 0)
+    # Pods of an earlier attempt are on their way out.
+    pods = [p for p in pods if p.attempt is None or p.attempt == restarts]
+    causes = sorted((p.cause for p in pods if p.cause), key=lambda c: c.rank)
     if c := _condition(jobset, "Completed"):
         return Observation(
             Phase.succeeded, "Completed", c.get("message") or "training finished", restarts
@@ -57,36 +262,54 @@ def phase_from(jobset: dict[str, Any] | None, user_suspended: bool) -> Observati
                 f"the field or file ({c.get('message', '')})",
                 restarts,
             )
-        return Observation(
-            Phase.failed,
-            c.get("reason") or "JobSetFailed",
-            c.get("message") or "JobSet failed",
-            restarts,
-        )
+        message = c.get("message") or "JobSet failed"
+        if causes and causes[0].rank == 0:
+            return Observation(
+                Phase.failed, causes[0].reason, f"{causes[0].message} ({message})", restarts
+            )
+        return Observation(Phase.failed, c.get("reason") or "JobSetFailed", message, restarts)
     if jobset.get("spec", {}).get("suspend"):
         if user_suspended:
             return Observation(
                 Phase.suspended, "Suspended", "suspended by spec.scheduling.suspend", restarts
             )
-        queue = jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL)
-        if queue:
-            return Observation(
-                Phase.queued, "WaitingForAdmission", f"waiting for Kueue queue {queue!r}", restarts
-            )
+        if jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL):
+            return _queued(jobset, workload, restarts)
         return Observation(Phase.suspended, "Suspended", "the JobSet is suspended", restarts)
-    jobs = status.get("replicatedJobsStatus") or []
-    ready = sum(int(r.get("ready") or 0) + int(r.get("succeeded") or 0) for r in jobs)
-    active = sum(int(r.get("active") or 0) for r in jobs)
-    expected = _expected_jobs(jobset)
-    if restarts and ready < expected:
+    if workload is not None and not workload.admitted:
+        # Kueue has not admitted it (or evicted it) and suspends it again: a user's resume
+        # before admission, or an eviction on its way. Queued, not a moment of Pending.
+        return _queued(jobset, workload, restarts)
+    leader, leader_pods, leader_jobs = _leader(jobset)
+    expected = _expected_pods(jobset)
+    up = sum(1 for p in pods if p.running or p.done)
+    leader_up = sum(
+        1 for p in pods if p.replicated_job == leader and p.job_index == 0 and (p.running or p.done)
+    )
+    # Ready Jobs have all their pods ready, so running: the JobSet may know before the
+    # pods' own events arrive.
+    jobs = {r.get("name"): r for r in status.get("replicatedJobsStatus") or []}
+    ready_jobs = int(jobs.get(leader, {}).get("ready") or 0) + int(
+        jobs.get(leader, {}).get("succeeded") or 0
+    )
+    if pods:
+        count = f"{up} of {expected} pods running"
+    else:
+        count = f"{ready_jobs} of {leader_jobs} {leader} jobs ready"
+    if leader_up >= leader_pods or ready_jobs >= leader_jobs:
+        return Observation(Phase.running, "Running", count, restarts)
+    waiting = causes[0] if causes else None
+    if restarts:
         return Observation(
             Phase.restarting,
-            "Restarting",
-            f"restart {restarts}: waiting for {expected - ready} of {expected} jobs",
+            waiting.reason if waiting else "Restarting",
+            f"restart {restarts}: {waiting.message if waiting else count}",
             restarts,
         )
-    if active or ready:
-        return Observation(Phase.running, "Running", f"{ready} of {expected} jobs ready", restarts)
+    if waiting:
+        return Observation(Phase.pending, waiting.reason, waiting.message, restarts)
+    if pods:
+        return Observation(Phase.pending, "PodsStarting", count, restarts)
     return Observation(Phase.pending, "WaitingForPods", "waiting for pods to start", restarts)
 
 
@@ -104,6 +327,8 @@ def conditions_for(
         Phase.failed: {"Failed"},
         Phase.pending: set(),
     }[obs.phase]
+    # A Pending job has no True condition; Running=False says why it does not run.
+    explained = true_types or {"Running"}
     out = []
     for ctype in CONDITION_TYPES:
         status = "True" if ctype in true_types else "False"
@@ -111,8 +336,8 @@ def conditions_for(
         cond = {
             "type": ctype,
             "status": status,
-            "reason": obs.reason if status == "True" else f"Not{ctype}",
-            "message": obs.message if status == "True" else f"phase is {obs.phase}",
+            "reason": obs.reason if ctype in explained else f"Not{ctype}",
+            "message": obs.message if ctype in explained else f"phase is {obs.phase}",
             "lastTransitionTime": old.get("lastTransitionTime", now)
             if old.get("status") == status
             else now,
@@ -132,30 +357,28 @@ def outputs_for(output_uri: str) -> dict[str, str]:
     }
 
 
-def status_patch(
+def one_line(text: str, limit: int = MESSAGE_MAX) -> str:
+    """`text` as one line of at most `limit` characters: control characters (newlines,
+    ESC, ...) escaped, so that text from elsewhere cannot forge lines or terminal codes."""
+    out = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+    return out if len(out) <= limit else out[: limit - 1] + "…"
+
+
+def _patch(
+    obs: Observation,
     jobset: dict[str, Any] | None,
     spec: dict[str, Any],
-    previous: dict[str, Any] | None,
+    previous: dict[str, Any],
     now: str,
     generation: int | None,
 ) -> dict[str, Any]:
-    """The status fields the operator owns, given the JobSet (None before it exists)."""
-    previous = previous or {}
-    user_suspended = bool(spec.get("scheduling", {}).get("suspend"))
-    old_phase = previous.get("phase")
-    if old_phase in TERMINAL and (
-        jobset is None or phase_from(jobset, user_suspended).phase not in TERMINAL
-    ):
-        # A finished job stays finished, even once ttlSecondsAfterFinished removed its JobSet.
-        return {}
-    obs = phase_from(jobset, user_suspended)
-    if obs.phase == Phase.pending and jobset is not None and previous.get("startTime"):
-        # Between pods finishing and their Jobs being marked complete nothing is active;
-        # a job that has run does not go back to Pending.
-        obs = Observation(Phase.running, "Running", "pods finishing", obs.restarts)
+    message = obs.message
+    obs = Observation(obs.phase, obs.reason, one_line(message, CONDITION_MESSAGE_MAX), obs.restarts)
     patch: dict[str, Any] = {
         "phase": str(obs.phase),
-        "message": obs.message,
+        "message": one_line(message),
         "conditions": conditions_for(obs, previous.get("conditions", []), now, generation),
         "restarts": obs.restarts,
         "outputs": outputs_for(spec.get("output", {}).get("uri", "")),
@@ -169,6 +392,63 @@ def status_patch(
     if obs.phase in TERMINAL:
         patch["completionTime"] = previous.get("completionTime") or now
     return patch
+
+
+def status_patch(
+    jobset: dict[str, Any] | None,
+    spec: dict[str, Any],
+    previous: dict[str, Any] | None,
+    now: str,
+    generation: int | None,
+    pods: Iterable[PodState] = (),
+    workload: WorkloadState | None = None,
+) -> dict[str, Any]:
+    """The status fields the operator owns, given the JobSet (None before it exists), the
+    summaries of its pods and of its Kueue Workload (None without Kueue)."""
+    previous = previous or {}
+    pods = list(pods)
+    user_suspended = bool(spec.get("scheduling", {}).get("suspend"))
+    obs = phase_from(jobset, user_suspended, pods, workload)
+    if previous.get("phase") in TERMINAL and obs.phase not in TERMINAL:
+        # A finished job stays finished, even once ttlSecondsAfterFinished removed its JobSet.
+        return {}
+    if (
+        previous.get("phase") == Phase.running
+        and obs.phase == Phase.pending
+        and obs.reason in ("WaitingForPods", "PodsStarting")
+        and all(p.running or p.done for p in pods)
+    ):
+        # Between pods finishing and their Jobs being marked complete nothing is active
+        # (and a pod's events may trail the JobSet's): a running job does not go back to
+        # Pending for that.
+        obs = Observation(Phase.running, "Running", "pods finishing", obs.restarts)
+    return _patch(obs, jobset, spec, previous, now, generation)
+
+
+def status_reason(status: dict[str, Any]) -> str | None:
+    """The reason of a status's phase: the True condition's, or for Pending the Running
+    condition's (why it does not run)."""
+    conditions = status.get("conditions") or []
+    for c in conditions:
+        if c.get("status") == "True":
+            return c.get("reason")
+    return next((c.get("reason") for c in conditions if c.get("type") == "Running"), None)
+
+
+def observation_patch(
+    obs: Observation,
+    spec: dict[str, Any],
+    previous: dict[str, Any] | None,
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Status for a job whose objects could not all be made (invalid spec, refused by the
+    API server, a foreign object in the way, a leftover to wait for); empty once the job
+    has finished."""
+    previous = previous or {}
+    if previous.get("phase") in TERMINAL:
+        return {}
+    return _patch(obs, None, spec, previous, now, generation)
 
 
 def changed(previous: dict[str, Any] | None, patch: dict[str, Any]) -> bool:

@@ -1,0 +1,111 @@
+"""What the operator watches besides its jobs, kept in kopf indexes (in memory).
+
+The handlers decide a job's status from its JobSet, its pods and its Kueue Workload
+(`phase.status_patch`); these indexes hold them, fed by watch streams, so that deciding
+reads nothing from the API server:
+
+- jobs and JobSets by (namespace, job name);
+- a summary of each pod (`phase.pod_state`) by (namespace, job name): only pods with the
+  job-name label are streamed (a server-side label selector, see `selectors`);
+- a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
+  only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept.
+
+An index is a kopf mapping from a key to the values of every object that gave that key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from posttrain.api.spec import GROUP, PLURAL, VERSION
+from posttrain.controller import phase
+from posttrain.render.jobset import JOB_NAME_LABEL, JOBSET_API_VERSION
+
+JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on every Workload Kueue makes for a job
+Key = tuple[str, str]
+
+
+def selectors(settings: kopf.OperatorSettings) -> None:
+    """Server-side label selectors: the API server streams only the pods, JobSets and
+    Workloads that can belong to a job, not every one in the cluster."""
+    settings.watching.label_selectors[("v1", "pods")] = JOB_NAME_LABEL
+    settings.watching.label_selectors[(JOBSET_GROUP, JOBSET_VERSION, "jobsets")] = JOB_NAME_LABEL
+    settings.watching.label_selectors[(KUEUE_GROUP, KUEUE_VERSION, "workloads")] = (
+        KUEUE_JOB_UID_LABEL
+    )
+
+
+def jobset_owned(body: kopf.Body, **_: Any) -> bool:
+    return any(
+        r.get("kind") == "JobSet" and r.get("apiVersion") == JOBSET_API_VERSION
+        for r in body["metadata"].get("ownerReferences") or []
+    )
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    return {(namespace, name): dict(body)}
+
+
+@kopf.index(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={JOB_NAME_LABEL: kopf.PRESENT})
+def jobset_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    return {(namespace, labels[JOB_NAME_LABEL]): dict(body)}
+
+
+@kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
+def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    if body["metadata"].get("deletionTimestamp"):
+        return {}
+    return {(namespace, labels[JOB_NAME_LABEL]): phase.pod_state(dict(body))}
+
+
+@kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", when=jobset_owned)
+def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    owner = next(r for r in body["metadata"]["ownerReferences"] if r.get("kind") == "JobSet")
+    return {(namespace, owner["name"]): (owner.get("uid"), phase.workload_state(dict(body)))}
+
+
+def _values(index: kopf.Index | None, key: Key) -> list[Any]:
+    """The values under key. Handlers run in threads while the event loop updates the
+    indexes: a copy that raced with an update is taken again."""
+    if index is None:
+        return []
+    for _ in range(10):
+        try:
+            return list(index.get(key, ()))
+        except RuntimeError:  # changed size during iteration
+            continue
+    return list(index.get(key, ()))
+
+
+def job(indexes: dict[str, Any], namespace: str, name: str) -> dict[str, Any] | None:
+    found = _values(indexes.get("job_index"), (namespace, name))
+    return found[0] if found else None
+
+
+def jobset(indexes: dict[str, Any], namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+    """The job's JobSet as last streamed: the one the job (UID) owns."""
+    for js in _values(indexes.get("jobset_index"), (namespace, name)):
+        if uid in {r.get("uid") for r in js["metadata"].get("ownerReferences") or []}:
+            return js
+    return None
+
+
+def pods(indexes: dict[str, Any], namespace: str, name: str) -> list[phase.PodState]:
+    return _values(indexes.get("pod_index"), (namespace, name))
+
+
+def workload(
+    indexes: dict[str, Any], namespace: str, jobset_body: dict[str, Any] | None
+) -> phase.WorkloadState | None:
+    if jobset_body is None:
+        return None
+    meta = jobset_body["metadata"]
+    for uid, state in _values(indexes.get("workload_index"), (namespace, meta["name"])):
+        if uid == meta.get("uid"):
+            return state
+    return None
