@@ -43,7 +43,11 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
     field") as job.yaml, unchanged. The cluster gets what that job asks for: a v6e-16
     slice (4 fake hosts, topology 4x4), a Kueue LocalQueue `team-a` and the Secret
     `hf-token`. kubectl's default namespace is the test's."""
-    (job,) = [b for b in blocks("docs/user-guide.md") if b.lang == "yaml"]
+    (job,) = [
+        b
+        for b in blocks("docs/user-guide.md")
+        if b.lang == "yaml" and b.heading == "A job, field by field"
+    ]
     nodes = cluster.create_tpu_slice(unique_name("v6e-4x4", 20), topology="4x4", hosts=4)
     queue = cluster.tpu_queue(namespace, "team-a", topology="4x4", chips=16)
     cluster.kubectl(
