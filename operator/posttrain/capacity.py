@@ -1,83 +1,312 @@
-"""Will a job fit in accelerator memory? A pure, deliberately rough estimate.
+"""Will a job fit in accelerator memory? A pure estimate of what the trainer holds per device.
 
-The parameter count comes from the model name (Qwen3-8B, SmolLM2-135M, gemma-3-1b...);
-when the name carries none, no estimate is made. Per device:
+The architecture comes from `posttrain.api.model_shapes` (the checkpoint's config.json when
+spec.model.source is a local directory, else the table of well-known models); without
+one, no estimate is made and admission says so. Per device, as the trainer holds it:
 
-    state       = params x bytes/param, sharded over every device (FSDP)
-                  full fine-tune: weights + gradients in the model dtype, fp32 Adam
-                  moments and (for 16-bit weights) an fp32 master copy;
-                  LoRA: frozen weights only (adapters are small)
-    activations = tokens per device x hidden x layers x 34 bytes (no rematerialisation),
-                  with hidden and layers inferred from params (params ~ 12 x layers x hidden^2,
-                  layers ~ hidden / 128)
+- mesh (`posttrain.trainer.mesh`): parameters are replicated over `dp` (one entry per
+  slice: a TPU slice, a GPU node) and sharded over `fsdp` (the devices of a slice);
+  every batch row is sharded over all devices.
+- weights: a full fine-tune trains float32 masters, cast to spec.model.dtype for each
+  forward pass (the cast copy is counted too); LoRA keeps the frozen base in
+  spec.model.dtype plus float32 adapters (rank x (in + out) per targeted projection).
+- optimizer: AdamW two float32 moments per trained weight, SGD one, Adafactor factored
+  (about two float32 vectors per matrix). Gradients: float32, a second copy (the
+  accumulator) with gradientAccumulation above 1.
+- activations: the trainer does not rematerialise (Tunix RematConfig.NONE) and its
+  attention is dense, so backward keeps, per decoder layer and micro-batch row, the
+  projections' inputs and outputs (and float32 copies of some) and the [heads, L, L]
+  attention scores and probabilities (float32, and their cast to the compute dtype).
+- logits: [rows, L, vocab] in the compute dtype, their float32 cast, log-softmax and
+  gradient (a distillation teacher's logits as well).
+- reference / teacher: a frozen spec.model.dtype copy for DPO and GRPO (beta > 0) full
+  fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
+- rollout cache: GRPO's KV cache, every generation of the step's prompts at
+  maxPromptLength + maxCompletionLength.
+
+The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
+the trainer's step on CPU (tests/trainer/test_capacity_xla.py); a TPU or GPU compiler may
+rematerialise activations to fit, but never the weights, optimizer state and gradients.
+So a job is refused when what it holds beyond activations and logits exceeds memory, and
+admitted with a warning naming the numbers when the total is above WARN_ABOVE of it.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
-from posttrain.api.spec import PostTrainJobSpec
+from posttrain.api import model_shapes
+from posttrain.api.model_shapes import ModelShape
+from posttrain.api.spec import LoraSpec, PostTrainJobSpec
 from posttrain.catalog import Placement
 
 GIB = 1024**3
-_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*([bBmM])(?![a-zA-Z])")
+WARN_ABOVE = 0.8  # total / memory above which a job is admitted with a warning
+UNCERTAINTY = 0.25  # of the estimate against XLA's figures
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
+TERMS = (
+    "weights",
+    "optimizer",
+    "gradients",
+    "activations",
+    "logits",
+    "reference/teacher",
+    "rollout cache",
+)
 
 
-def params_from_name(source: str) -> float | None:
-    """Parameter count written in a model name: 'Qwen3-0.6B' -> 6e8; None if absent."""
-    matches = _SIZE.findall(source.rsplit("/", 1)[-1]) or _SIZE.findall(source)
-    if not matches:
-        return None
-    value, unit = matches[-1]
-    return float(value) * (1e9 if unit in "bB" else 1e6)
+@dataclass(frozen=True)
+class Layout:
+    """How the job's devices form the trainer's mesh."""
+
+    slices: int  # dp
+    per_slice: int  # fsdp
+
+    @property
+    def devices(self) -> int:
+        return self.slices * self.per_slice
+
+
+def layout(spec: PostTrainJobSpec, placement: Placement) -> Layout:
+    res = spec.resources
+    if placement.is_tpu:
+        return Layout(res.slices, max(1, placement.hosts * placement.devices_per_host))
+    return Layout(res.nodes, max(1, placement.devices_per_host))  # one slice per GPU node
+
+
+def lora_params(shape: ModelShape, spec: PostTrainJobSpec) -> int:
+    """Adapter weights: rank x (in + out) of each targeted projection, every layer. A
+    targetModules regex is counted as the default (every attention and MLP projection)."""
+    d, f = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    sizes = {
+        "q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d,
+        "q_einsum": d + q, "kv_einsum": 2 * (d + kv), "attn_vec_einsum": q + d,
+        "qkv_einsum": 3 * d + q + 2 * kv,
+        "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d,
+    }  # fmt: skip
+    default = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    names = [n.strip() for n in (spec.lora.target_modules or "").split(",")]
+    if not all(n in sizes or n == "lm_head" for n in names):
+        names = list(default)
+    per_layer = sum(sizes.get(n, 0) for n in names)
+    head = (d + shape.vocab) if "lm_head" in names else 0
+    return spec.lora.rank * (shape.layers * per_layer + head)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    params: float
-    devices: int
-    state_gib: float
-    activations_gib: float
-    available_gib: float
+    source: str
+    shape: ModelShape
+    layout: Layout
+    rows: int  # micro-batch rows per device
+    length: int  # tokens per row
+    terms: dict[str, float] = field(default_factory=dict)  # GiB per device, by TERMS
+    available_gib: float = 0.0
+    accelerator: str = ""
 
     @property
     def total_gib(self) -> float:
-        return self.state_gib + self.activations_gib
+        return sum(self.terms.values())
+
+    @property
+    def held_gib(self) -> float:
+        """What no rematerialisation can free: every term but activations and logits."""
+        return self.total_gib - self.terms["activations"] - self.terms["logits"]
+
+    @property
+    def verdict(self) -> str:
+        """'over' (refused): what it holds beyond activations and logits alone exceeds
+        memory; 'tight' (admitted with a warning): the total is above WARN_ABOVE of
+        memory; 'fits' otherwise."""
+        if self.held_gib > self.available_gib:
+            return "over"
+        return "tight" if self.total_gib > WARN_ABOVE * self.available_gib else "fits"
 
     @property
     def fits(self) -> bool:
-        return self.total_gib <= self.available_gib
+        return self.verdict != "over"
+
+    @property
+    def origin(self) -> str:
+        if self.shape.origin == "config.json":
+            return "shape from its config.json"
+        return "shape from posttrain's table of known models, no config.json read"
 
     def explain(self) -> str:
+        """One line: the need, its parts and the memory a device has."""
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.terms.items() if v >= 0.05)
         return (
-            f"{self.params / 1e9:.2f}B parameters need about {self.total_gib:.1f} GiB per device "
-            f"({self.state_gib:.1f} GiB weights/gradients/optimizer over {self.devices} devices + "
-            f"{self.activations_gib:.1f} GiB activations), but each device has "
-            f"{self.available_gib:.0f} GiB"
+            f"about {self.total_gib:.1f} GiB per device ({parts} GiB) for "
+            f"{self.shape.params / 1e9:.2f}B parameters over {self.layout.devices} devices, "
+            f"{self.rows:g} rows x {self.length} tokens per device, but a {self.accelerator} "
+            f"device has {self.available_gib:g} GiB ({self.origin})"
         )
 
+    def table(self) -> str:
+        """The breakdown, one term a line, as `posttrain estimate` prints it."""
+        lay = self.layout
+        lines = [
+            f"{self.source}: {self.shape.params / 1e9:.2f}B parameters, {self.shape.layers} "
+            f"layers, vocabulary {self.shape.vocab} ({self.origin})",
+            f"{lay.devices} {self.accelerator} devices: {lay.slices} x {lay.per_slice} "
+            f"(dp x fsdp); {self.rows:g} rows x {self.length} tokens per device per micro-batch",
+            "per device:",
+        ]
+        lines += [f"  {name:<18}{self.terms.get(name, 0.0):8.2f} GiB" for name in TERMS]
+        lines.append(
+            f"  {'total':<18}{self.total_gib:8.2f} GiB of {self.available_gib:g} GiB "
+            f"({self.total_gib / self.available_gib:.0%})"
+        )
+        return "\n".join(lines)
 
-def estimate(spec: PostTrainJobSpec, placement: Placement) -> MemoryEstimate | None:
-    """None for CPU jobs or when the model name gives no size."""
-    params = params_from_name(spec.model.source)
-    if params is None or placement.kind == "cpu" or not placement.memory_gib_per_device:
+
+def shape_of(spec: PostTrainJobSpec) -> ModelShape | None:
+    return model_shapes.shape(spec.model.source, spec.model.layers)
+
+
+def estimate(
+    spec: PostTrainJobSpec, placement: Placement, lay: Layout | None = None
+) -> MemoryEstimate | None:
+    """None for CPU jobs (host memory is not in the catalog) or with no known shape."""
+    shape = shape_of(spec)
+    if shape is None or placement.kind == "cpu" or not placement.memory_gib_per_device:
         return None
-    res = spec.resources
-    hosts = placement.hosts * res.slices if placement.is_tpu else res.nodes
-    devices = max(1, hosts * placement.devices_per_host)
-    width = _DTYPE_BYTES[spec.model.dtype]
+    lay = lay or layout(spec, placement)
+    t = spec.training
+    w = _DTYPE_BYTES[spec.model.dtype]
+    params, fsdp = shape.params, lay.per_slice
     if spec.lora is None:
-        per_param = 2 * width + 8 + (4 if width < 4 else 0)
+        trained = params
+        weights = params * (4 + (w if w < 4 else 0))
     else:
-        per_param = width
-    state = params * per_param / devices
-    hidden = (params * 128 / 12) ** (1 / 3)
-    layers = max(1.0, hidden / 128)
-    micro_batch = spec.training.batch_size / spec.training.gradient_accumulation
-    tokens = micro_batch * spec.data.max_length / devices
-    activations = tokens * hidden * layers * 34
+        trained = lora_params(shape, spec)
+        weights = params * w + trained * 4
+    if t.optimizer == "adafactor":
+        opt_bytes = 8 * trained / shape.hidden
+    else:
+        opt_bytes = _OPTIMIZER_BYTES[t.optimizer] * trained
+    grads = trained * 4 * (2 if t.gradient_accumulation > 1 else 1)
+
+    length, per_example = spec.data.max_length, 1
+    if spec.technique == "dpo":
+        per_example = 2  # chosen and rejected
+    elif spec.technique == "grpo":
+        per_example = spec.grpo.num_generations
+        length = spec.grpo.max_prompt_length + spec.grpo.max_completion_length
+    rows = max(1, math.ceil(t.batch_size / t.gradient_accumulation * per_example / lay.devices))
+    tokens = rows * length
+    d, f = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    # Bytes kept per token and decoder layer, per attention-probability element, per
+    # logit: XLA's figures for the trainer's SFT step (tests/trainer/test_capacity_xla.py).
+    per_token = (w + 2) * (7 * d + 5 * q + 3.5 * kv + 2.7 * f)
+    per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + 2 * w)
+    activations = shape.layers * per_layer + tokens * (w + 2) * 10 * d
+    logits = tokens * shape.vocab * (w + 12)
+
+    frozen = 0.0
+    if spec.technique == "distill":
+        teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
+        teacher = teacher or shape
+        frozen = teacher.params * _DTYPE_BYTES[spec.distill.teacher.dtype] / fsdp
+        logits += tokens * teacher.vocab * (w + 4)
+    elif spec.lora is None and (
+        (spec.technique == "dpo" and spec.dpo.algorithm == "dpo")
+        or (spec.technique == "grpo" and spec.grpo.beta > 0)
+    ):
+        frozen = params * w / fsdp
+    cache = 0.0
+    if spec.technique == "grpo":
+        sequences = t.batch_size * spec.grpo.num_generations / lay.devices
+        cache = sequences * length * shape.layers * 2 * kv * w
+    terms = {
+        "weights": weights / fsdp,
+        "optimizer": opt_bytes / fsdp,
+        "gradients": grads / fsdp,
+        "activations": activations,
+        "logits": logits,
+        "reference/teacher": frozen,
+        "rollout cache": cache,
+    }
     return MemoryEstimate(
-        params, devices, state / GIB, activations / GIB, float(placement.memory_gib_per_device)
+        spec.model.source,
+        shape,
+        lay,
+        rows,
+        length,
+        {k: v / GIB for k, v in terms.items()},
+        float(placement.memory_gib_per_device),
+        placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
     )
+
+
+def suggestions(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimate) -> list[str]:
+    """Changes that would bring the estimate under memory, each with its new total."""
+    limit = est.available_gib * WARN_ABOVE
+    t = spec.training
+    out = []
+
+    def total(new_spec: PostTrainJobSpec, lay: Layout | None = None) -> float:
+        found = estimate(new_spec, placement, lay)
+        return found.total_gib if found else float("inf")
+
+    if spec.lora is None:
+        lora = spec.model_copy(update={"lora": LoraSpec()})
+        out.append(f"LoRA (spec.lora: {{rank: 16}}): {total(lora):.1f} GiB")
+    for factor in (2, 4, 8):
+        lay = replace(est.layout, slices=est.layout.slices * factor)
+        if (need := total(spec, lay)) <= limit or factor == 8:
+            where = "spec.resources.slices" if placement.is_tpu else "spec.resources.nodes"
+            out.append(f"{factor}x the devices ({where}: {lay.slices}): {need:.1f} GiB")
+            break
+    rows = t.batch_size * (spec.grpo.num_generations if spec.grpo else 2 if spec.dpo else 1)
+    for accumulation in range(t.gradient_accumulation * 2, t.batch_size + 1):
+        if t.batch_size % accumulation:
+            continue
+        if rows // accumulation < est.layout.devices:  # a row is not split over devices
+            break
+        micro = spec.model_copy(
+            update={"training": t.model_copy(update={"gradient_accumulation": accumulation})}
+        )
+        if (need := total(micro)) <= limit or rows // accumulation < 2 * est.layout.devices:
+            out.append(
+                f"a smaller micro-batch (spec.training.gradientAccumulation: {accumulation}, "
+                f"{t.batch_size // accumulation} examples a micro-batch): {need:.1f} GiB"
+            )
+            break
+    half = max(8, spec.data.max_length // 2)
+    if spec.technique != "grpo" and half < spec.data.max_length:
+        short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_length": half})})
+        out.append(f"spec.data.maxLength: {half}: {total(short):.1f} GiB")
+    return out
+
+
+def refusal(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimate) -> str:
+    """The one-line message of a job that does not fit (webhook and CLI alike)."""
+    hints = "; ".join(suggestions(spec, placement, est))
+    return f"the job does not fit: {est.explain()}; estimates with one change: {hints}"
+
+
+def warning(spec: PostTrainJobSpec, placement: Placement) -> str | None:
+    """The admission warning of a job the estimate cannot clear: within the uncertainty
+    band, or not checked at all for want of a known architecture."""
+    if placement.kind == "cpu" or not placement.memory_gib_per_device:
+        return None
+    est = estimate(spec, placement)
+    if est is None:
+        return (
+            f"spec.model.source: no memory check was made: posttrain knows no architecture "
+            f"for {spec.model.source!r} (no readable config.json and not a model it knows "
+            "by name); run posttrain estimate on a local copy"
+        )
+    if est.verdict == "tight":
+        how = "may not fit" if est.total_gib <= est.available_gib else "runs out of memory"
+        return (
+            f"spec.resources.accelerator: the job {how} unless XLA rematerialises "
+            f"activations: {est.explain()}; the estimate is within {UNCERTAINTY:.0%} of "
+            "XLA's for this trainer, which keeps every layer's activations"
+        )
+    return None

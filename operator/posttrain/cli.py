@@ -1,6 +1,7 @@
 """The `posttrain` command line.
 
 posttrain validate FILE...   check PostTrainJob files; every error names its field
+posttrain estimate FILE      the accelerator memory a job needs per device, term by term
 posttrain render FILE        print the objects the operator would create, as YAML
 posttrain crd                print the CustomResourceDefinition
 posttrain run FILE           train locally from the same file (trainer extra)
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.api.validate import InvalidJob, load_job, printable
+from posttrain.api.validate import InvalidJob, load_job, printable, warnings
 from posttrain.controller.options import add_arguments as add_operator_arguments
 from posttrain.yaml_out import dump_yaml
 
@@ -36,11 +37,58 @@ def _load(path: str, overrides: dict[str, Any] | None = None) -> PostTrainJob | 
 def _validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:  # a bad file does not stop the others
-        if _load(path) is None:
+        if (job := _load(path)) is None:
             failed += 1
         else:
             print(f"{printable(path)}: valid")
+            for line in warnings(job):
+                print(f"{printable(path)}: warning: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    """The memory a job needs per device, term by term, and what would make it fit."""
+    from posttrain import capacity, catalog
+    from posttrain.api.validate import load_documents, validate
+
+    try:
+        docs = load_documents(args.file)
+    except InvalidJob as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"{printable(args.file)}: cannot read: {e.strerror or e}", file=sys.stderr)
+        return 1
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "PostTrainJob"] or docs
+    job, errors = validate(jobs[0] if len(jobs) == 1 else None)
+    memory = [e for e in errors if e.message.startswith("the job does not fit")]
+    if job is None or len(memory) != len(errors):
+        print(str(InvalidJob([e for e in errors if e not in memory], args.file)), file=sys.stderr)
+        return 1
+    res = job.spec.resources
+    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
+    est = capacity.estimate(job.spec, placement)
+    if est is None:
+        why = capacity.warning(job.spec, placement) or (
+            "no estimate for CPU jobs: host memory is not in the accelerator catalog"
+        )
+        print(f"{printable(args.file)}: {why}")
+        return 0
+    for line in est.table().splitlines():
+        print(printable(line))
+    if est.verdict == "fits":
+        print("fits")
+        return 0
+    verdict = capacity.warning(job.spec, placement) if est.fits else None
+    print(
+        printable(
+            verdict or f"spec.resources.accelerator: {capacity.refusal(job.spec, placement, est)}"
+        )
+    )
+    print("estimates with one change:")
+    for line in capacity.suggestions(job.spec, placement, est):
+        print(f"  {line}")
+    return 0 if est.fits else 1
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -107,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check PostTrainJob files")
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_validate)
+
+    p = sub.add_parser("estimate", help="the accelerator memory a job needs, per device")
+    p.add_argument("file")
+    p.set_defaults(func=_estimate)
 
     p = sub.add_parser("render", help="print the objects the operator would create")
     p.add_argument("file")

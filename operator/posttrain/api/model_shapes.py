@@ -1,27 +1,137 @@
-"""Hidden sizes of well-known checkpoints, read from the model name (the last part of
-spec.model.source). Where the name is known, a LoRA rank above the hidden size is
-refused at admission: the adapter would be larger than the layer it adapts."""
+"""Architectures of well-known checkpoints, and of any checkpoint whose config.json is at hand.
+
+One table serves the LoRA-rank check (a rank above the hidden size is refused) and the
+memory estimate (`posttrain.capacity`). A shape comes from, in order:
+
+1. the checkpoint's own `config.json` when spec.model.source is a local directory
+   (`posttrain validate` / `posttrain estimate` on the machine that holds it; the operator
+   never reads the network),
+2. the table below, by the model name (the last part of the source: Qwen3-0.6B,
+   SmolLM2-135M-Instruct, gemma-3-1b-it...).
+
+The numbers are those of the models' published config.json files on the Hugging Face Hub
+(for Gemma 3 4B and larger, its `text_config`).
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-HIDDEN_SIZES: dict[str, int] = {
-    "qwen3-0.6b": 1024, "qwen3-1.7b": 2048, "qwen3-4b": 2560, "qwen3-8b": 4096,
-    "qwen3-14b": 5120, "qwen3-32b": 5120,
-    "qwen2.5-0.5b": 896, "qwen2.5-1.5b": 1536, "qwen2.5-3b": 2048, "qwen2.5-7b": 3584,
-    "llama-3.2-1b": 2048, "llama-3.2-3b": 3072, "llama-3.1-8b": 4096, "llama-3.1-70b": 8192,
-    "meta-llama-3-8b": 4096, "meta-llama-3-70b": 8192,
-    "gemma-3-270m": 640, "gemma-3-1b": 1152, "gemma-3-4b": 2560, "gemma-3-12b": 3840,
-    "gemma-3-27b": 5376, "gemma-2-2b": 2304, "gemma-2-9b": 3584, "gemma-2-27b": 4608,
-    "smollm2-135m": 576, "smollm2-360m": 960, "smollm2-1.7b": 2048,
-}  # fmt: skip
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int  # hidden_size
+    layers: int  # num_hidden_layers
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int
+    intermediate: int  # intermediate_size
+    vocab: int  # vocab_size
+    tied: bool  # tie_word_embeddings
+    origin: str = "table"  # "config.json" or "table": where the numbers came from
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer (attention, MLP and its norms)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate + 4 * self.hidden
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * self.layer_params + embeddings + self.hidden
+
+
+def _s(hidden, layers, heads, kv, head_dim, ffw, vocab, tied) -> ModelShape:
+    return ModelShape(hidden, layers, heads, kv, head_dim, ffw, vocab, tied)
+
+
+# name prefix -> shape (hidden, layers, heads, kv heads, head dim, intermediate, vocab, tied)
+SHAPES: dict[str, ModelShape] = {
+    "qwen3-0.6b": _s(1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-1.7b": _s(2048, 28, 16, 8, 128, 6144, 151936, True),
+    "qwen3-4b": _s(2560, 36, 32, 8, 128, 9728, 151936, True),
+    "qwen3-8b": _s(4096, 36, 32, 8, 128, 12288, 151936, False),
+    "qwen3-14b": _s(5120, 40, 40, 8, 128, 17408, 151936, False),
+    "qwen3-32b": _s(5120, 64, 64, 8, 128, 25600, 151936, False),
+    "qwen2.5-0.5b": _s(896, 24, 14, 2, 64, 4864, 151936, True),
+    "qwen2.5-1.5b": _s(1536, 28, 12, 2, 128, 8960, 151936, True),
+    "qwen2.5-3b": _s(2048, 36, 16, 2, 128, 11008, 151936, True),
+    "qwen2.5-7b": _s(3584, 28, 28, 4, 128, 18944, 152064, False),
+    "llama-3.2-1b": _s(2048, 16, 32, 8, 64, 8192, 128256, True),
+    "llama-3.2-3b": _s(3072, 28, 24, 8, 128, 8192, 128256, True),
+    "llama-3.1-8b": _s(4096, 32, 32, 8, 128, 14336, 128256, False),
+    "llama-3.1-70b": _s(8192, 80, 64, 8, 128, 28672, 128256, False),
+    "meta-llama-3-8b": _s(4096, 32, 32, 8, 128, 14336, 128256, False),
+    "meta-llama-3-70b": _s(8192, 80, 64, 8, 128, 28672, 128256, False),
+    "llama-3.3-70b": _s(8192, 80, 64, 8, 128, 28672, 128256, False),
+    "gemma-3-270m": _s(640, 18, 4, 1, 256, 2048, 262144, True),
+    "gemma-3-1b": _s(1152, 26, 4, 1, 256, 6912, 262144, True),
+    "gemma-3-4b": _s(2560, 34, 8, 4, 256, 10240, 262208, True),
+    "gemma-3-12b": _s(3840, 48, 16, 8, 256, 15360, 262208, True),
+    "gemma-3-27b": _s(5376, 62, 32, 16, 128, 21504, 262208, True),
+    "gemma-2-2b": _s(2304, 26, 8, 4, 256, 9216, 256000, True),
+    "gemma-2-9b": _s(3584, 42, 16, 8, 256, 14336, 256000, True),
+    "gemma-2-27b": _s(4608, 46, 32, 16, 128, 36864, 256000, True),
+    "smollm2-135m": _s(576, 30, 9, 3, 64, 1536, 49152, True),
+    "smollm2-360m": _s(960, 32, 15, 5, 64, 2560, 49152, True),
+    "smollm2-1.7b": _s(2048, 24, 32, 32, 64, 8192, 49152, True),
+}
+
+
+def from_name(source: str) -> ModelShape | None:
+    """The shape of the model `source` names, when the name is a known one."""
+    name = source.rstrip("/").rsplit("/", 1)[-1].lower().partition("@")[0]
+    for known in sorted(SHAPES, key=len, reverse=True):
+        if re.match(re.escape(known) + r"(?![0-9.])", name):
+            return SHAPES[known]
+    return None
+
+
+def from_config(config: dict) -> ModelShape:
+    """The shape a Hugging Face config.json describes (KeyError/ValueError when it lacks
+    one). Gemma 3's multimodal configs keep the decoder's numbers in text_config."""
+    if isinstance(config.get("text_config"), dict):
+        config = {"model_type": config.get("model_type", ""), **config["text_config"]}
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    gemma = str(config.get("model_type", "")).startswith("gemma")
+    return ModelShape(
+        hidden=hidden,
+        layers=int(config["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]),
+        tied=bool(config.get("tie_word_embeddings", gemma)),
+        origin="config.json",
+    )
+
+
+def local_config(source: str) -> ModelShape | None:
+    """The shape from config.json when `source` is a local directory holding a readable one."""
+    if "://" in source:
+        return None
+    path = Path(source) / "config.json"
+    try:
+        return from_config(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def shape(source: str, layers: int | None = None) -> ModelShape | None:
+    """The architecture of spec.model (a local config.json, else the table), with
+    spec.model.layers applied; None when neither knows it."""
+    found = local_config(source) or from_name(source)
+    if found is not None and layers is not None:
+        found = replace(found, layers=min(layers, found.layers))
+    return found
 
 
 def hidden_size(source: str) -> int | None:
     """The hidden size of the model `source` names, when the name is a known one."""
-    name = source.rstrip("/").rsplit("/", 1)[-1].lower().partition("@")[0]
-    for known in sorted(HIDDEN_SIZES, key=len, reverse=True):
-        if re.match(re.escape(known) + r"(?![0-9.])", name):
-            return HIDDEN_SIZES[known]
-    return None
+    found = from_name(source)
+    return found.hidden if found else None

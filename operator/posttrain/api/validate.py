@@ -182,13 +182,23 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     estimate = capacity.estimate(spec, placement)
     if estimate is not None and not estimate.fits:
         errors.append(
-            FieldError(
-                "spec.resources.accelerator",
-                f"the job does not fit: {estimate.explain()}; use LoRA, a larger slice, "
-                "more slices or nodes, or a smaller batchSize/maxLength",
-            )
+            FieldError("spec.resources.accelerator", capacity.refusal(spec, placement, estimate))
         )
     return errors
+
+
+def warnings(job: PostTrainJob) -> list[str]:
+    """What admission warns about a valid job: a memory estimate within its uncertainty,
+    or no memory check for want of a known architecture (posttrain.capacity)."""
+    res = job.spec.resources
+    try:
+        placement = catalog.resolve(
+            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
+        )
+    except catalog.CatalogError:
+        return []
+    found = capacity.warning(job.spec, placement)
+    return [printable(found)] if found else []
 
 
 def _as_json(doc: Any) -> str | None:

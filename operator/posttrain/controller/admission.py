@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.api.validate import FieldError, immutable_changes, validate
+from posttrain.api.validate import FieldError, immutable_changes, validate, warnings
 
 
 def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[FieldError]:
@@ -20,6 +20,13 @@ def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[F
     if old:
         errors += immutable_changes(old.get("spec") or {}, body.get("spec") or {})
     return errors
+
+
+def admission_warnings(body: dict[str, Any]) -> list[str]:
+    """Warnings for a job admission_errors admits: the memory estimate is within its
+    uncertainty, or no memory check could be made (the same lines posttrain validate prints)."""
+    job, errors = validate(body)
+    return warnings(job) if job is not None and not errors else []
 
 
 # exists(kind, name, namespace) -> True, False, or None when it could not be read.

@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller.admission import Exists, admission_errors, reference_checks
+from posttrain.controller.admission import (
+    Exists,
+    admission_errors,
+    admission_warnings,
+    reference_checks,
+)
 
 log = logging.getLogger("posttrain.webhook")
 WEBHOOK_NAME = "validate-posttrainjob.posttrain.dev"
@@ -33,10 +38,12 @@ def review_response(review: dict[str, Any], exists: Exists | None = None) -> dic
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
     if request.get("operation") in ("CREATE", "UPDATE") and request.get("object"):
         errors = admission_errors(request["object"], request.get("oldObject"))
+        warnings = [] if errors else admission_warnings(request["object"])
         if exists is not None and not errors:
-            errors, warnings = reference_checks(request["object"], exists, request.get("oldObject"))
-            if warnings:
-                response["warnings"] = warnings
+            errors, missing = reference_checks(request["object"], exists, request.get("oldObject"))
+            warnings += missing
+        if warnings and not errors:
+            response["warnings"] = warnings
         if errors:
             response = {
                 **response,
