@@ -1,10 +1,10 @@
 """The pure checks behind validation: YAML documents, user regexes, locations,
 Kubernetes values and the batch split."""
 
-import time
 from decimal import Decimal
 
 import pytest
+import yaml
 
 from posttrain.api import batching, documents, kube_values, locations, model_shapes, patterns
 from posttrain.api.documents import DocumentError, parse_documents
@@ -49,12 +49,13 @@ octal: 0755
     assert doc["octal"] == 493
 
 
-def test_large_documents_parse_fast():
+def test_large_documents_are_parsed_by_libyaml():
+    """libyaml's C parser, not PyYAML's pure-Python one (18 s for 200k labels); how fast is
+    a benchmark's question, not a test's."""
+    assert issubclass(documents._Loader, yaml.CSafeLoader)
     text = ("labels:\n" + "".join(f"  k{i}: v\n" for i in range(40_000))).encode()
-    start = time.monotonic()
     (doc,) = parse_documents(text)
     assert len(doc["labels"]) == 40_000
-    assert time.monotonic() - start < 5
 
 
 # -- user regexes -----------------------------------------------------------------------
