@@ -84,11 +84,12 @@ def test_printer_columns(apiserver: Cluster, namespace: str):
         "TOTAL",
         "LOSS",
         "AGE",
+        "MESSAGE",
     ]
     row = out[1].split()
     assert row[:8] == ["columns", "sft", "/models/tiny", "cpu", "Running", "120", "1000", "1.25"]
     wide = apiserver.kubectl("get", "posttrainjobs", "-n", namespace, "-o", "wide").stdout
-    assert "ETA" in wide.splitlines()[0] and "JOBSET" in wide.splitlines()[0]
+    assert {"ETA", "EVAL", "JOBSET"} <= set(wide.splitlines()[0].split())
 
 
 def test_explain_reads_descriptions(apiserver: Cluster):
