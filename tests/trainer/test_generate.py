@@ -3,9 +3,6 @@ trained job's adapter (or the job file itself) answers a prompt from any directo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +10,7 @@ import pytest
 import yaml
 from tiny_model import make_tiny_llama
 
+from posttrain import cli
 from posttrain.api.validate import validate
 from posttrain.trainer import generate, models
 from posttrain.trainer.distributed import ProcessInfo
@@ -60,30 +58,28 @@ def test_stream_is_the_cached_greedy_decoder(tmp_path):
     assert np.all(np.asarray(a) >= 0)
 
 
-def posttrain_generate(target: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", "generate", target, "--prompt", "Hello?"]
-        + ["--max-new-tokens", "5"],
-        cwd=cwd,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def posttrain_generate(target: str, cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`posttrain generate TARGET --prompt ...` run from `cwd`: (exit code, stdout, stderr)."""
+    monkeypatch.chdir(cwd)
+    code = cli.main(["generate", target, "--prompt", "Hello?", "--max-new-tokens", "5"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_generate_from_a_job_file_or_its_adapter_in_another_directory(trained, tmp_path):
+def test_generate_from_a_job_file_or_its_adapter_in_another_directory(
+    trained, tmp_path, monkeypatch, capsys
+):
     adapter = yaml.safe_load(trained.read_text())["spec"]["output"]["uri"] + "/hf"
-    by_job = posttrain_generate(str(trained), tmp_path)
-    by_adapter = posttrain_generate(adapter, tmp_path)
-    assert by_job.returncode == 0, by_job.stderr[-2000:]
-    assert by_adapter.returncode == 0, by_adapter.stderr[-2000:]
-    assert by_job.stdout == by_adapter.stdout and by_job.stdout.strip()
+    by_job = posttrain_generate(str(trained), tmp_path, monkeypatch, capsys)
+    by_adapter = posttrain_generate(adapter, tmp_path, monkeypatch, capsys)
+    assert by_job[0] == 0, by_job[2][-2000:]
+    assert by_adapter[0] == 0, by_adapter[2][-2000:]
+    assert by_job[1] == by_adapter[1] and by_job[1].strip()
 
 
-def test_generate_names_what_it_cannot_load(tmp_path):
-    out = posttrain_generate(str(tmp_path / "nothing"), tmp_path)
-    assert out.returncode == 65
-    assert out.stderr.strip().splitlines()[-1] == (
+def test_generate_names_what_it_cannot_load(tmp_path, monkeypatch, capsys):
+    code, _, err = posttrain_generate(str(tmp_path / "nothing"), tmp_path, monkeypatch, capsys)
+    assert code == 65
+    assert err.strip().splitlines()[-1] == (
         f"posttrain: MODEL_OR_JOB: {tmp_path / 'nothing'} is not a directory"
     )
