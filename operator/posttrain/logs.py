@@ -112,6 +112,22 @@ class Cluster:
         yield from response.stream()
 
 
+def not_started(pod: dict[str, Any]) -> str | None:
+    """Why a pod has no trainer log yet (it is Pending: unscheduled, pulling, ...), or
+    None once its containers have started."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending"):
+        return None
+    for c in status.get("containerStatuses") or []:
+        waiting = (c.get("state") or {}).get("waiting")
+        if c.get("name") == CONTAINER and waiting:
+            return f"{waiting.get('reason')}: {waiting.get('message') or ''}".strip(": ")
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return f"not scheduled: {c.get('message') or c.get('reason')}"
+    return "Pending" if (pod.get("spec") or {}).get("nodeName") else "not scheduled yet"
+
+
 def _status_line(job: dict[str, Any]) -> str:
     status = job.get("status") or {}
     return f"phase {status.get('phase') or 'Pending'}: {status.get('message') or 'no message'}"
@@ -142,6 +158,12 @@ def logs_command(args: argparse.Namespace) -> int:
             time.sleep(2)  # waiting for the next attempt's pod
             continue
         name = pod["metadata"]["name"]
+        if (why := not_started(pod)) is not None:
+            if not args.follow:
+                print(f"posttrain: {name} has not started yet ({why})", file=sys.stderr)
+                return 1
+            time.sleep(2)
+            continue
         attempt = pod["metadata"].get("labels", {}).get(ATTEMPT_LABEL, "0")
         print(f"--- {name} (restart attempt {attempt}) ---", file=sys.stderr)
         try:

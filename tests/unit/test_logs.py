@@ -44,3 +44,19 @@ def test_the_completion_index_may_be_a_label():
     p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] = "0"
     assert leader_pod([p], "slice") is p
     assert leader_pod([pod("q", index=None)], "slice") is None
+
+
+def test_why_a_pod_has_no_log_yet():
+    from posttrain.logs import not_started
+
+    assert not_started({"status": {}}) == "not scheduled yet"
+    unschedulable = {"type": "PodScheduled", "status": "False", "message": "0/3 nodes"}
+    assert not_started({"status": {"phase": "Pending", "conditions": [unschedulable]}}) == (
+        "not scheduled: 0/3 nodes"
+    )
+    pulling = {"name": "trainer", "state": {"waiting": {"reason": "ErrImagePull", "message": "x"}}}
+    assert not_started({"status": {"phase": "Pending", "containerStatuses": [pulling]}}) == (
+        "ErrImagePull: x"
+    )
+    assert not_started({"status": {"phase": "Pending"}, "spec": {"nodeName": "n"}}) == "Pending"
+    assert not_started({"status": {"phase": "Running"}}) is None
