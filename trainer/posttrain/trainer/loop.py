@@ -125,10 +125,7 @@ def _hub_snapshot(source: str, field: str) -> str:
             "token (spec.hfTokenSecret)"
         ) from None
     except Exception as e:  # noqa: BLE001 - network and Hub failures come in many types
-        root: BaseException = e
-        while root.__cause__ or root.__context__:  # the socket's own words, not the wrappers'
-            root = root.__cause__ or root.__context__  # type: ignore[assignment]
-        reason = f"{type(root).__name__}: {' '.join(str(root).split())}"[:160]
+        reason = storage.root_cause(e)
         raise storage.Unreachable(
             f"{field}: cannot fetch {source} from the Hugging Face Hub ({reason}); "
             "check the network or copy the model to a path or gs:// and point the field there"

@@ -314,11 +314,14 @@ def check_reachable(uri: str, field: str) -> None:
         google.auth.exceptions.TransportError,
         OSError,
     ) as e:
-        root: BaseException = e
-        while root.__cause__ or root.__context__:
-            root = root.__cause__ or root.__context__  # type: ignore[assignment]
         endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "storage.googleapis.com"
-        raise Unreachable(
-            f"{field}: cannot reach {uri} at {endpoint} ({type(root).__name__}: "
-            f"{' '.join(str(root).split())[:120]})"
-        ) from None
+        raise Unreachable(f"{field}: cannot reach {uri} at {endpoint} ({root_cause(e)})") from None
+
+
+def root_cause(e: BaseException, limit: int = 160) -> str:
+    """'Type: message' of the innermost exception of a chain, on one line: the socket's
+    own words rather than the wrappers' of the HTTP and client libraries."""
+    root = e
+    while root.__cause__ or root.__context__:
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    return f"{type(root).__name__}: {' '.join(str(root).split())}"[:limit]
