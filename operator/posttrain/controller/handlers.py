@@ -298,3 +298,4 @@ def count_phases(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         metrics.forget_job(uid)
     else:
         metrics.observe_job(uid, _phase(dict(body)) or "Pending")
+        metrics.observe_job_series(dict(body))

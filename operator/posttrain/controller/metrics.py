@@ -1,11 +1,20 @@
-"""Prometheus metrics and the HTTP endpoint that serves them with /healthz."""
+"""Prometheus metrics and the HTTP endpoint that serves them with /healthz.
+
+Operator-wide series carry no job labels. The per-job gauges (`posttrain_job_*`) carry
+`job_namespace` and `job_name` (not `namespace`/`job`, which Prometheus's own target
+labels take) and exist only while a job is active: a job that succeeds, fails or is
+deleted drops them, so their number is the number of active jobs, not of jobs ever run.
+"""
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from collections import Counter as Tally
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
@@ -14,9 +23,83 @@ ERRORS = Counter("posttrain_reconcile_errors_total", "Handler invocations that r
 LATENCY = Histogram("posttrain_reconcile_seconds", "Handler latency", ["handler"])
 JOBS = Gauge("posttrain_jobs", "PostTrainJobs by phase", ["phase"])
 LEADER = Gauge("posttrain_leader", "1 while this replica holds the leader Lease")
+JOB_LABELS = ["job_namespace", "job_name"]
+PHASE_ENTERED = Gauge(
+    "posttrain_job_phase_entered_timestamp_seconds",
+    "When an active PostTrainJob entered its current phase (Unix time)",
+    [*JOB_LABELS, "phase"],
+)
+RESTARTS = Gauge(
+    "posttrain_job_restarts", "Whole-job restarts of an active PostTrainJob", JOB_LABELS
+)
+PROGRESS = Gauge(
+    "posttrain_job_progress_ratio",
+    "Completed over total steps of an active PostTrainJob, as its trainer reports",
+    JOB_LABELS,
+)
+TOKENS = Gauge(
+    "posttrain_job_tokens_per_second",
+    "Training throughput of an active PostTrainJob, as its trainer reports",
+    JOB_LABELS,
+)
+ACTIVE_PHASES = ("Pending", "Queued", "Running", "Restarting", "Suspended")
+
+
+@dataclass(frozen=True)
+class JobSeries:
+    """The per-job gauge values of one active PostTrainJob."""
+
+    namespace: str
+    name: str
+    phase: str
+    phase_entered: float
+    restarts: int
+    progress: float | None
+    tokens_per_second: float | None
+
 
 _phases: dict[str, str] = {}
+_series: dict[str, JobSeries] = {}
 _lock = threading.Lock()
+
+
+def _timestamp(text: Any) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def phase_entered(body: dict[str, Any]) -> float | None:
+    """When the job entered its phase (Unix time): the newest lastTransitionTime of its
+    conditions (every phase change flips one), or its creation before it has any."""
+    times = [
+        t
+        for c in (body.get("status") or {}).get("conditions") or []
+        if (t := _timestamp(c.get("lastTransitionTime"))) is not None
+    ]
+    return max(times) if times else _timestamp(body.get("metadata", {}).get("creationTimestamp"))
+
+
+def job_series(body: dict[str, Any]) -> JobSeries | None:
+    """The per-job gauges of a PostTrainJob, or None once it is no longer active."""
+    status = body.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    entered = phase_entered(body)
+    if phase not in ACTIVE_PHASES or entered is None:
+        return None
+    progress = status.get("progress") or {}
+    step, total = progress.get("step"), progress.get("totalSteps")
+    tokens = progress.get("tokensPerSecond")
+    return JobSeries(
+        namespace=body["metadata"]["namespace"],
+        name=body["metadata"]["name"],
+        phase=phase,
+        phase_entered=entered,
+        restarts=int(status.get("restarts") or 0),
+        progress=min(step / total, 1.0) if step is not None and total else None,
+        tokens_per_second=float(tokens) if isinstance(tokens, int | float) else None,
+    )
 
 
 def _publish() -> None:
@@ -25,15 +108,46 @@ def _publish() -> None:
         JOBS.labels(phase).set(counts.get(phase, 0))
 
 
+def _drop_series(old: JobSeries) -> None:
+    job = (old.namespace, old.name)
+    PHASE_ENTERED.remove(*job, old.phase)
+    RESTARTS.remove(*job)
+    for gauge, value in ((PROGRESS, old.progress), (TOKENS, old.tokens_per_second)):
+        if value is not None:
+            gauge.remove(*job)
+
+
+def _set_series(uid: str, new: JobSeries | None) -> None:
+    old = _series.pop(uid, None)
+    if old is not None and old != new:
+        _drop_series(old)
+    if new is None:
+        return
+    _series[uid] = new
+    job = (new.namespace, new.name)
+    PHASE_ENTERED.labels(*job, new.phase).set(new.phase_entered)
+    RESTARTS.labels(*job).set(new.restarts)
+    for gauge, value in ((PROGRESS, new.progress), (TOKENS, new.tokens_per_second)):
+        if value is not None:
+            gauge.labels(*job).set(value)
+
+
 def observe_job(uid: str, phase: str) -> None:
     with _lock:
         _phases[uid] = phase
         _publish()
 
 
+def observe_job_series(body: dict[str, Any]) -> None:
+    """Set the per-job gauges from a PostTrainJob (drops them once it has finished)."""
+    with _lock:
+        _set_series(body["metadata"]["uid"], job_series(body))
+
+
 def forget_job(uid: str) -> None:
     with _lock:
         _phases.pop(uid, None)
+        _set_series(uid, None)
         _publish()
 
 
