@@ -1271,11 +1271,22 @@ def _start_scheduler(state: State) -> None:
 
 
 def _start_kwok(state: State) -> None:
+    """kwok runs the fake nodes and is their kubelet: every node's address is 127.0.0.1
+    and its kubelet port kwok's own HTTPS server, so the API server's pod-log requests
+    reach kwok, which answers them from `Logs` objects (kwok.x-k8s.io/v1alpha1, one per
+    pod: see `pod_log`)."""
     import yaml
 
     port = state.port("kwok")
     cfg = RUN_DIR / "kwok.yaml"
     cfg.write_text(yaml.safe_dump_all(_kwok_stages(), sort_keys=False))
+    crd = (
+        module_dir("sigs.k8s.io/kwok", KWOK_VERSION) / "kustomize/crd/bases/kwok.x-k8s.io_logs.yaml"
+    )
+    kubectl("apply", "--server-side", "--field-manager=posttrain-control-plane", "-f", str(crd))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/logs.kwok.x-k8s.io")
+    certs = RUN_DIR / "kwok-certs"
+    serving_cert(certs)
     _start(
         "kwok",
         [
@@ -1286,11 +1297,32 @@ def _start_kwok(state: State) -> None:
             f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_ANNOTATION_VALUE}",
             "--node-lease-duration-seconds=40",
             f"--cidr={POD_CIDR}",
-            "--node-ip=10.1.0.1",
-            f"--server-address=127.0.0.1:{port}",  # plain HTTP: /healthz for readiness
+            "--node-ip=127.0.0.1",
+            f"--node-port={port}",
+            f"--server-address=127.0.0.1:{port}",
+            f"--tls-cert-file={certs / 'tls.crt'}",
+            f"--tls-private-key-file={certs / 'tls.key'}",
+            "--enable-crds=Logs",
         ],
     )
-    _wait("kwok", lambda: _http_ok(f"http://127.0.0.1:{port}/healthz"), 60)
+    _wait("kwok", lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", verify=True), 60)
+
+
+def pod_log(namespace: str, pod: str, lines: Sequence[str], path: Path) -> None:
+    """Give a kwok pod's `trainer` container a log: `lines` written to `path` in the CRI
+    log format a kubelet reads, served by kwok through the API server's pod-log endpoint."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S.000000000Z", time.gmtime())
+    path.write_text("".join(f"{stamp} stdout F {line}\n" for line in lines))
+    apply_objects(
+        [
+            {
+                "apiVersion": "kwok.x-k8s.io/v1alpha1",
+                "kind": "Logs",
+                "metadata": {"name": pod, "namespace": namespace},
+                "spec": {"logs": [{"containers": ["trainer"], "logsFile": str(path)}]},
+            }
+        ]
+    )
 
 
 def _start_jobset(state: State) -> None:
