@@ -53,6 +53,9 @@ def test_printer_columns_and_names():
     cols = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert cols["Step"] == ".status.progress.step"
     assert cols["Loss"] == ".status.progress.loss"
+    assert cols["Goodput"] == ".status.progress.goodput"
+    wide = {c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert {"ETA", "Eval", "Goodput", "JobSet"} <= wide  # kubectl get -o wide only
     assert list(cols)[:4] == ["Technique", "Model", "Accelerator", "Phase"]
     assert list(cols)[-1] == "Message" and cols["Message"] == ".status.message"
     assert version["subresources"] == {"status": {}}

@@ -34,6 +34,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "Eval", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
+    {
+        "name": "Goodput",
+        "type": "number",
+        "jsonPath": ".status.progress.goodput",
+        "description": "Fraction of the wall time spent on kept optimizer steps",
+        "priority": 1,
+    },
     {"name": "JobSet", "type": "string", "jsonPath": ".status.jobSetName", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # Last: kubectl prints it whole (no truncation), so the operator keeps it to one line

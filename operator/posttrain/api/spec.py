@@ -694,6 +694,17 @@ class Progress(KubeModel):
     eval_metrics: dict[str, float] | None = None
     """Every held-out metric at evalStep, e.g. perplexity, preference_accuracy."""
 
+    goodput: float | None = None
+    """Fraction of the run's wall time, over every restart, spent on optimizer steps it
+    kept (0 to 1)."""
+
+    goodput_breakdown: dict[str, float] | None = None
+    """Fraction of the wall time per part: productive, compile, dataWait, checkpoint, eval,
+    startup, restart, lost, other (they add up to 1)."""
+
+    lost_steps: int | None = None
+    """Steps done after a checkpoint and redone after a restart, counted once."""
+
     updated_at: str | None = None
     """When the trainer last reported (RFC 3339)."""
 
