@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps tools lint format test demo crd clean
 FAKE_GCS_VERSION := v1.56.1
+PROMTOOL_VERSION := v0.316.0
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,10 +22,12 @@ system-deps:
 	@command -v lua5.4 >/dev/null || { apt-get update -qq && apt-get install -y -qq lua5.4; }
 
 # Go-built binaries, pinned and cached under .cache/ (a second run is a no-op): the local
-# control plane (etcd, kube-*, kwok, JobSet, Kueue, helm) and a GCS-compatible server.
+# control plane (etcd, kube-*, kwok, JobSet, Kueue, helm), a GCS-compatible server, and
+# promtool, which checks and unit-tests the chart's alerting rules.
 tools: setup
 	$(BIN)/python scripts/control_plane.py build
 	test -x .cache/bin/fake-gcs-server || GOBIN=$(CURDIR)/.cache/bin go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
+	test -x .cache/bin/promtool || GOBIN=$(CURDIR)/.cache/bin go install github.com/prometheus/prometheus/cmd/promtool@$(PROMTOOL_VERSION)
 
 lint: setup
 	$(BIN)/ruff check .

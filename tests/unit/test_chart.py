@@ -210,6 +210,8 @@ VALUE_SETS = {
         "webhook.certManager.issuerRef.name": "ca",
         "webhook.certManager.issuerRef.kind": "ClusterIssuer",
         "metrics.serviceMonitor.enabled": True,
+        "metrics.dashboard.enabled": True,
+        "metrics.prometheusRule.enabled": True,
         "replicaCount": 1,
         "defaults.queue": "team-a",
         "image.digest": "sha256:" + "a" * 64,
