@@ -68,7 +68,8 @@ def test_valid_job_gets_defaults(apiserver: Cluster, namespace: str):
 
 def test_printer_columns(apiserver: Cluster, namespace: str):
     _create(apiserver, valid_job("columns"), namespace)
-    status = {"phase": "Running", "progress": {"step": 120, "totalSteps": 1000, "loss": 1.25}}
+    progress = {"step": 120, "totalSteps": 1000, "loss": 1.25, "goodput": 0.875}
+    status = {"phase": "Running", "progress": progress}
     apiserver.custom.patch_namespaced_custom_object_status(
         "posttrain.dev", "v1alpha1", namespace, "posttrainjobs", "columns", {"status": status}
     )
@@ -89,7 +90,10 @@ def test_printer_columns(apiserver: Cluster, namespace: str):
     row = out[1].split()
     assert row[:8] == ["columns", "sft", "/models/tiny", "cpu", "Running", "120", "1000", "1.25"]
     wide = apiserver.kubectl("get", "posttrainjobs", "-n", namespace, "-o", "wide").stdout
-    assert {"ETA", "EVAL", "JOBSET"} <= set(wide.splitlines()[0].split())
+    header, row = wide.splitlines()[:2]
+    assert {"ETA", "EVAL", "GOODPUT", "JOBSET"} <= set(header.split())
+    # Empty cells are blank: read the column where it is.
+    assert row[header.index("GOODPUT") : header.index("JOBSET")].strip() == "0.875"
 
 
 def test_explain_reads_descriptions(apiserver: Cluster):
