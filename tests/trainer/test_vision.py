@@ -1,0 +1,142 @@
+"""Gemma 3 with its vision tower: image processing and the model against transformers.
+
+The fixture (tests/trainer/fixtures/gemma3-vision/) is a tiny random
+Gemma3ForConditionalGeneration, its tokenizer and processor files and a few images, with
+goldens that scripts/make_vision_fixtures.py made with transformers' Gemma3Processor and
+model: pixel values, token ids and logits of a conversation with one image and of one
+with two.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from posttrain.trainer import data, images
+
+pytestmark = pytest.mark.trainer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "gemma3-vision"
+TOL = 1e-4  # the text models' logit tolerance
+PIXEL_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return dict(np.load(FIXTURE / "golden.npz"))
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return json.loads((FIXTURE / "conversations.json").read_text())
+
+
+def _processor() -> images.ImageProcessor:
+    return images.processor_for(FIXTURE, image_size=32)
+
+
+@pytest.mark.parametrize("name", ["rgb_50x37", "rgba_20x28", "grey_64x64"])
+def test_pixels_match_transformers_processor(name, golden):
+    """Resize (bilinear), RGB conversion (RGBA on white, greyscale), rescale, normalise."""
+    image = images.load_image(f"images/{name}.png", str(FIXTURE), "row 0", "images")
+    pixels = _processor()(image)
+    expected = golden[f"pixels_{name}"].transpose(1, 2, 0)  # HF: [C, H, W]
+    assert pixels.shape == expected.shape == (32, 32, 3)
+    assert pixels.dtype == np.float32
+    np.testing.assert_allclose(pixels, expected, atol=PIXEL_TOL, rtol=0)
+
+
+def test_processor_settings_come_from_the_checkpoint(tmp_path):
+    proc = _processor()
+    assert (proc.height, proc.width, proc.resample) == (32, 32, 2)
+    assert proc.image_mean == proc.image_std == (0.5, 0.5, 0.5)
+    # no processor files: the tower's size and Gemma 3's defaults
+    assert images.processor_for(tmp_path, image_size=32) == proc
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_pan_and_scan": True}))
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        images.processor_for(tmp_path, image_size=32)
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"size": {"height": 64, "width": 64}})
+    )
+    with pytest.raises(ValueError, match="64x64"):
+        images.processor_for(tmp_path, image_size=32)
+
+
+@pytest.mark.parametrize("key", ["one", "two"])
+def test_token_ids_match_transformers_processor(key, golden, conversations):
+    """Chat template, then each <start_of_image> expanded into the image's soft tokens
+    between begin/end-of-image tokens: the processor's ids exactly."""
+    tokenizer = data.load_tokenizer(str(FIXTURE))
+    template = tokenizer.template()
+    ids, mask, n_images = images.tokenize_with_images(
+        tokenizer, template, conversations[key], 16, f"row {key}"
+    )
+    np.testing.assert_array_equal(ids, golden[f"input_ids_{key}"][0])
+    assert n_images == len(golden[f"pixel_values_{key}"])
+    soft = tokenizer.token_to_id(images.IMAGE_TOKEN)
+    np.testing.assert_array_equal(ids == soft, golden[f"token_type_ids_{key}"][0] == 1)
+    # the loss is on the assistant's answer (and its end of turn) only, never an image
+    learnt = tokenizer.decode(ids[mask == 1])
+    answer = conversations[key][-1]["content"][0]["text"]
+    assert learnt.startswith(answer) and learnt[len(answer) :].strip() == "<end_of_turn>"
+    image_ids = images.image_token_ids(tokenizer)
+    assert not mask[np.isin(ids, image_ids)].any()
+    assert np.isin(ids, image_ids).sum() == n_images * 18
+
+
+def test_whole_conversation_loss_still_skips_images(conversations):
+    tokenizer = data.load_tokenizer(str(FIXTURE))
+    ids, mask, _ = images.tokenize_with_images(
+        tokenizer,
+        tokenizer.template(),
+        conversations["two"],
+        16,
+        "row 0",
+        completion_only_loss=False,
+    )
+    image = np.isin(ids, images.image_token_ids(tokenizer))
+    assert mask[~image].all() and not mask[image].any()
+
+
+def test_image_values_of_every_layout(tmp_path, golden):
+    """A relative path (resolved against the dataset's directory), an absolute path, raw
+    bytes, and datasets' Image feature dict decode to the same pixels."""
+    raw = (FIXTURE / "images" / "rgb_50x37.png").read_bytes()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.png").write_bytes(raw)
+    values = [
+        "sub/a.png",
+        str(tmp_path / "sub" / "a.png"),
+        raw,
+        {"bytes": raw, "path": None},
+        {"bytes": None, "path": "sub/a.png"},
+    ]
+    expected = golden["pixels_rgb_50x37"].transpose(1, 2, 0)
+    base = images.dataset_base(str(tmp_path / "train.jsonl"))
+    assert base == str(tmp_path)
+    for value in values:
+        pixels = _processor()(images.load_image(value, base, "row 0", "images"))
+        np.testing.assert_allclose(pixels, expected, atol=PIXEL_TOL, rtol=0)
+
+
+def test_missing_or_broken_images_name_the_row_and_column(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    where = f"{tmp_path}/train.jsonl:3"
+    with pytest.raises(data.DataError, match=r"train\.jsonl:3: column 'images'.*cannot read"):
+        images.load_image("missing.png", str(tmp_path), where, "images")
+    with pytest.raises(data.DataError, match=r"train\.jsonl:3: column 'images'.*not a decodable"):
+        images.load_image("broken.png", str(tmp_path), where, "images")
+    with pytest.raises(data.DataError, match=r"column 'images'.*not int"):
+        images.load_image(7, str(tmp_path), where, "images")
+    buf = io.BytesIO()
+    from PIL import Image
+
+    noise = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buf, format="PNG")
+    truncated = buf.getvalue()[: len(buf.getvalue()) // 2]  # a file cut short
+    with pytest.raises(data.DataError, match="not a decodable"):
+        images.load_image(truncated, str(tmp_path), where, "images")
