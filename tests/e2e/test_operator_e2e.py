@@ -333,3 +333,35 @@ def test_suspend_while_queued_then_resume(cluster: Cluster, namespace: str, oper
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(queue)
+
+
+def test_missing_priority_class_says_so(cluster: Cluster, namespace: str, operator):
+    """Kueue makes no Workload (and no Event) for a JobSet whose WorkloadPriorityClass
+    does not exist; the job says which class, in Kueue's words (here no admission webhook
+    refuses the job first)."""
+    queue = cluster.tpu_queue(namespace, "tpu")
+    try:
+        tpu_job(
+            cluster, namespace, "classless", "posttrain-trainer:slow",
+            queue="tpu", workloadPriorityClass="no-such-class",
+        )  # fmt: skip
+        row = wait_for(
+            lambda: (r := get_row(cluster, namespace, "classless")) and "not found" in r and r,
+            timeout=30,
+            describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+        )
+        assert row.split()[4] == "Queued", row
+        assert (
+            "Kueue queue 'tpu': WorkloadPriorityClass.kueue.x-k8s.io \"no-such-class\" not found: "
+            "Kueue makes no Workload until it exists (spec.scheduling.workloadPriorityClass)"
+        ) in row, row
+        queued = {c["type"]: c for c in status(cluster, namespace, "classless")["conditions"]}
+        assert queued["Queued"]["reason"] == "PriorityClassNotFound", queued
+        assert "PriorityClassNotFound" in wait_for(
+            lambda: reasons(cluster, namespace, "classless"), timeout=10
+        )
+        workloads = cluster.kubectl("get", "workloads", "-n", namespace, "-o", "name").stdout
+        assert workloads.strip() == "" and pods(cluster, namespace) == []
+    finally:
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all(queue)

@@ -316,6 +316,10 @@ ALLOWED = [
     ("watch", "namespaces", "-"),
     ("get", "priorityclasses.scheduling.k8s.io/high", "-"),
     ("get", "workloadpriorityclasses.kueue.x-k8s.io/high", "-"),
+    ("list", "priorityclasses.scheduling.k8s.io", "-"),
+    ("watch", "priorityclasses.scheduling.k8s.io", "-"),
+    ("list", "workloadpriorityclasses.kueue.x-k8s.io", "-"),
+    ("watch", "workloadpriorityclasses.kueue.x-k8s.io", "-"),
     ("get", "localqueues.kueue.x-k8s.io/tpu", "other"),
     ("list", "pods", "-"),
     ("watch", "pods", "-"),
@@ -324,9 +328,10 @@ ALLOWED = [
 ]
 DENIED = [
     ("create", "priorityclasses.scheduling.k8s.io", "-"),
-    ("list", "priorityclasses.scheduling.k8s.io", "-"),
+    ("delete", "priorityclasses.scheduling.k8s.io", "-"),
     ("create", "localqueues.kueue.x-k8s.io", "other"),
-    ("list", "workloadpriorityclasses.kueue.x-k8s.io", "-"),
+    ("list", "localqueues.kueue.x-k8s.io", "-"),
+    ("patch", "workloadpriorityclasses.kueue.x-k8s.io", "-"),
     ("get", "secrets", "release"),
     ("get", "secrets", "other"),
     ("list", "secrets", "-"),

@@ -13,6 +13,7 @@ from posttrain.controller.phase import (
     pod_state,
     status_patch,
     status_reason,
+    without_workload,
     workload_state,
 )
 
@@ -607,3 +608,87 @@ def test_user_suspend_with_kueue(case, js, user_suspended, wl, phase):
     """spec.scheduling.suspend wins while set; after a resume the job is Queued until Kueue
     admits it (never Pending in between), then follows its pods."""
     assert phase_from(js, user_suspended, [], workload_state(wl)).phase == phase
+
+
+def classed(wpc=None, pc=None, queue="tpu"):
+    """A JobSet Kueue holds, naming a WorkloadPriorityClass (label) and/or a PriorityClass
+    (its pods)."""
+    js = jobset(suspend=True, queue=queue)
+    if wpc:
+        js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = wpc
+    if pc:
+        js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"] = {
+            "spec": {"priorityClassName": pc}
+        }
+    return js
+
+
+@pytest.mark.parametrize(
+    "case,js,workload_classes,classes,reason,message",
+    [
+        (
+            "WorkloadPriorityClass missing",
+            classed(wpc="urgent"),
+            {"low"},
+            {"high"},
+            "PriorityClassNotFound",
+            "Kueue queue 'tpu': WorkloadPriorityClass.kueue.x-k8s.io \"urgent\" not found: Kueue "
+            "makes no Workload until it exists (spec.scheduling.workloadPriorityClass)",
+        ),
+        (
+            "PriorityClass of the pods missing",
+            classed(pc="high"),
+            set(),
+            {"low"},
+            "PriorityClassNotFound",
+            "Kueue queue 'tpu': PriorityClass.scheduling.k8s.io \"high\" not found: Kueue makes no "
+            "Workload until it exists (spec.scheduling.priorityClass)",
+        ),
+        (
+            "Kueue reads the WorkloadPriorityClass, not the pods' class",
+            classed(wpc="urgent", pc="high"),
+            {"urgent"},
+            set(),
+            "WaitingForAdmission",
+            "waiting for Kueue queue 'tpu'",
+        ),
+        (
+            "both exist: the Workload is on its way",
+            classed(wpc="urgent", pc="high"),
+            {"urgent"},
+            {"high"},
+            "WaitingForAdmission",
+            "waiting for Kueue queue 'tpu'",
+        ),
+        (
+            "no class named",
+            classed(),
+            set(),
+            set(),
+            "WaitingForAdmission",
+            "waiting for Kueue queue 'tpu'",
+        ),
+        (
+            "classes not known",
+            classed(wpc="urgent", pc="high"),
+            None,
+            None,
+            "WaitingForAdmission",
+            "waiting for Kueue queue 'tpu'",
+        ),
+    ],
+)
+def test_priority_class_kueue_cannot_find(case, js, workload_classes, classes, reason, message):
+    """Without a Workload, a missing class is why: Kueue's own words (its log's NotFound
+    error), the field to fix, in one line under 200 characters."""
+    obs = phase_from(js, False, [], without_workload(js, workload_classes, classes))
+    assert (obs.phase, obs.reason, obs.message) == ("Queued", reason, message), obs
+    assert len(obs.message) < 200
+
+
+def test_priority_class_missing_only_matters_to_kueue():
+    assert without_workload(classed(wpc="urgent", queue=None), set(), set()) is None
+    assert without_workload(None, set(), set()) is None
+    # The user's suspend still wins.
+    js = classed(wpc="urgent")
+    assert phase_from(js, True, [], without_workload(js, set(), set())).phase == "Suspended"

@@ -13,12 +13,12 @@ the scheduler's PodScheduled condition, the kubelet's container states.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, Phase
-from posttrain.render.jobset import KUEUE_QUEUE_LABEL
+from posttrain.render.jobset import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL
 
 TERMINAL = {Phase.succeeded, Phase.failed}
 CONDITION_TYPES = ["Queued", "Running", "Suspended", "Succeeded", "Failed"]
@@ -44,6 +44,7 @@ WARNINGS = {
     "CreateContainerError",
     "Inadmissible",
     "Evicted",
+    "PriorityClassNotFound",
 }
 
 
@@ -202,6 +203,49 @@ def workload_state(workload: dict[str, Any]) -> WorkloadState:
         ):
             return WorkloadState(False, c.get("reason") or "Pending", c["message"])
     return WorkloadState(False)
+
+
+def _pod_priority_class(jobset: dict[str, Any]) -> str | None:
+    """The first PriorityClass a replicated job's pods name (the one Kueue reads)."""
+    for r in jobset.get("spec", {}).get("replicatedJobs") or []:
+        pod_spec = (((r.get("template") or {}).get("spec") or {}).get("template") or {}).get(
+            "spec"
+        ) or {}
+        if pod_spec.get("priorityClassName"):
+            return pod_spec["priorityClassName"]
+    return None
+
+
+def without_workload(
+    jobset: dict[str, Any] | None,
+    workload_priority_classes: Collection[str] | None,
+    priority_classes: Collection[str] | None,
+) -> WorkloadState | None:
+    """Why Kueue has made no Workload for a queued JobSet, when the class it takes the
+    priority from does not exist; None when nothing says so. Kueue takes the priority
+    from the JobSet's WorkloadPriorityClass label, else from its pods' PriorityClass, and
+    while that class is missing it makes no Workload and records no Event: its error, in
+    the words used here, is only in its own log. The collections hold the names of the
+    classes that exist (None: not known)."""
+    if jobset is None or not (labels := jobset.get("metadata", {}).get("labels") or {}).get(
+        KUEUE_QUEUE_LABEL
+    ):
+        return None
+    if name := labels.get(KUEUE_PRIORITY_LABEL):
+        known, kind = workload_priority_classes, "WorkloadPriorityClass.kueue.x-k8s.io"
+        field = "spec.scheduling.workloadPriorityClass"
+    elif name := _pod_priority_class(jobset):
+        known, kind = priority_classes, "PriorityClass.scheduling.k8s.io"
+        field = "spec.scheduling.priorityClass"
+    else:
+        return None
+    if known is None or name in known:
+        return None
+    return WorkloadState(
+        False,
+        "PriorityClassNotFound",
+        f'{kind} "{name}" not found: Kueue makes no Workload until it exists ({field})',
+    )
 
 
 def _leader(jobset: dict[str, Any]) -> tuple[str, int, int]:

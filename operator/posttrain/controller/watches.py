@@ -8,7 +8,10 @@ reads nothing from the API server:
 - a summary of each pod (`phase.pod_state`) by (namespace, job name): only pods with the
   job-name label are streamed (a server-side label selector, see `selectors`);
 - a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
-  only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept.
+  only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept;
+- the names of the WorkloadPriorityClasses and PriorityClasses that exist (few, cluster
+  scoped): while the class a queued JobSet names is missing, Kueue makes no Workload and
+  says so only in its log (`phase.without_workload`).
 
 An index is a kopf mapping from a key to the values of every object that gave that key.
 """
@@ -69,6 +72,16 @@ def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
     return {(namespace, owner["name"]): (owner.get("uid"), phase.workload_state(dict(body)))}
 
 
+@kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses")
+def workload_priority_class_index(name: str, **_: Any) -> dict[str, str]:
+    return {"names": name}
+
+
+@kopf.index("scheduling.k8s.io", "v1", "priorityclasses")
+def priority_class_index(name: str, **_: Any) -> dict[str, str]:
+    return {"names": name}
+
+
 def _values(index: kopf.Index | None, key: Key) -> list[Any]:
     """The values under key. Handlers run in threads while the event loop updates the
     indexes: a copy that raced with an update is taken again."""
@@ -108,4 +121,12 @@ def workload(
     for uid, state in _values(indexes.get("workload_index"), (namespace, meta["name"])):
         if uid == meta.get("uid"):
             return state
-    return None
+    return phase.without_workload(
+        jobset_body,
+        _names(indexes, "workload_priority_class_index"),
+        _names(indexes, "priority_class_index"),
+    )
+
+
+def _names(indexes: dict[str, Any], index: str) -> set[str] | None:
+    return set(_values(indexes[index], "names")) if index in indexes else None
