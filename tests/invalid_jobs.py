@@ -315,4 +315,32 @@ CASES: list[Case] = [
         "at most 45 characters",
         server=False,
     ),
+    Case(
+        "images-with-dpo",
+        _all(
+            _set("spec.technique", "dpo"),
+            _set("spec.data.columns", {"images": "images"}),
+        ),
+        "spec.data.columns.images",
+        "only supported with spec.technique sft",
+    ),
+    Case(
+        "images-for-a-text-family",
+        _all(
+            _set("spec.model.family", "qwen3"),
+            _set("spec.data.columns", {"images": "images"}),
+        ),
+        "spec.data.columns.images",
+        "need a model with a vision tower",
+    ),
+    Case(
+        "images-for-a-text-only-gemma",
+        _all(
+            _set("spec.model.source", "hf://google/gemma-3-1b-it"),
+            _set("spec.data.columns", {"images": "images"}),
+        ),
+        "spec.data.columns.images",
+        "has none",
+        server=False,
+    ),
 ]

@@ -135,3 +135,19 @@ def hidden_size(source: str) -> int | None:
     """The hidden size of the model `source` names, when the name is a known one."""
     found = from_name(source)
     return found.hidden if found else None
+
+
+def has_vision_tower(source: str) -> bool | None:
+    """Whether spec.model has an image encoder (Gemma 3 4B and larger): from a local
+    config.json (a ``vision_config``), else from a known name; None when unknown."""
+    if "://" not in source:
+        try:
+            config = json.loads((Path(source) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+        if isinstance(config, dict):
+            return isinstance(config.get("vision_config"), dict)
+    name = source.rstrip("/").rsplit("/", 1)[-1].lower().partition("@")[0]
+    if re.match(r"gemma-3-(4b|12b|27b)(?![0-9.])", name):
+        return True
+    return False if from_name(source) is not None else None

@@ -148,6 +148,20 @@ RULES: list[Rule] = [
         lambda s: s.resources.nodes == 1 or not _is_tpu(s),
         "resources.nodes is for GPU/CPU; a TPU slice's host count comes from its size",
     ),
+    Rule(
+        "data.columns.images",
+        "!has(self.data.columns) || !has(self.data.columns.images) || self.technique == 'sft'",
+        lambda s: s.data.columns.images is None or s.technique == "sft",
+        "images (spec.data.columns.images) are only supported with spec.technique sft",
+    ),
+    Rule(
+        "data.columns.images",
+        "!has(self.data.columns) || !has(self.data.columns.images) || "
+        "!has(self.model.family) || self.model.family in ['auto', 'gemma3']",
+        lambda s: s.data.columns.images is None or s.model.family in ("auto", "gemma3"),
+        "images (spec.data.columns.images) need a model with a vision tower: "
+        "spec.model.family gemma3 (a Gemma3ForConditionalGeneration checkpoint)",
+    ),
 ]
 
 

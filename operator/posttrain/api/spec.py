@@ -178,6 +178,13 @@ class DataColumns(KubeModel):
     answer: str = Field(default="answer", min_length=1, max_length=NAME_MAX)
     """Reference answer that rewards check (grpo)."""
 
+    images: str | None = Field(default=None, min_length=1, max_length=NAME_MAX)
+    """Images of multimodal SFT (Gemma 3 with its vision tower): the column holding each
+    row's images, in the order of the messages' `{"type": "image"}` parts. An image is a
+    path (relative paths resolve against the dataset's directory), a gs:// URI, or the
+    image itself (bytes, or `{bytes, path}` as `datasets` stores an Image feature); a
+    row may hold one image or a list. Unset: the job is text-only."""
+
 
 class DataSpec(KubeModel):
     """Training data."""

@@ -135,6 +135,22 @@ def _lora_errors(job: PostTrainJob) -> list[FieldError]:
     return errors
 
 
+def _images_errors(job: PostTrainJob) -> list[FieldError]:
+    """Images need a checkpoint with a vision tower (the family rule is in rules.py)."""
+    spec = job.spec
+    if spec.data.columns.images is None or spec.model.family not in ("auto", "gemma3"):
+        return []
+    if model_shapes.has_vision_tower(spec.model.source) is False:
+        return [
+            FieldError(
+                "spec.data.columns.images",
+                f"images need a model with a vision tower; {spec.model.source} has none "
+                "(a Gemma3ForConditionalGeneration checkpoint, Gemma 3 4B or larger, has one)",
+            )
+        ]
+    return []
+
+
 def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
     columns, LoRA, mounts, the batch split and the memory estimate."""
@@ -142,7 +158,7 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
 
     spec = job.spec
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
-    errors += _columns_errors(job) + _lora_errors(job)
+    errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
         errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
     res = spec.resources
