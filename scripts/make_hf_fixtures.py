@@ -219,19 +219,20 @@ def make_peft() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
+    from posttrain.trainer import lora as lora_lib
     from posttrain.trainer import models
 
     for i, name in enumerate(FAMILIES):
         out = FIXTURES / name
         model, info = models.load_model(out, dtype=jnp.float32)
-        lora = models.apply_lora(model, LORA_RANK, LORA_ALPHA)
+        lora = lora_lib.apply_lora(model, LORA_RANK, LORA_ALPHA)
         key = jax.random.key(SEED + i)
         for _, var in sorted(
             nnx.to_flat_state(nnx.state(lora, nnx.LoRAParam)), key=lambda kv: str(kv[0])
         ):
             key, sub = jax.random.split(key)
             var.set_value(0.3 * jax.random.normal(sub, var.shape, var.get_value().dtype))
-        models.save_peft_adapter(
+        lora_lib.save_peft_adapter(
             lora, out / "peft_adapter", info, base_model_name=f"posttrain-fixtures/tiny-{name}"
         )
         ids = np.load(out / "golden.npz")["input_ids"]

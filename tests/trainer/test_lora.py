@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 from posttrain.trainer import lora as lora_lib
 from posttrain.trainer import models
+from posttrain.trainer.models.saving import save_hf
 
 pytestmark = pytest.mark.trainer
 
@@ -57,8 +58,8 @@ def expected_paths(family: str, layers=(0, 1), modules=None) -> set[str]:
 @pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_default_targets_adapt_every_projection(family, base):
     model, _ = base(family)
-    adapted = models.apply_lora(model, RANK, ALPHA)
-    assert models.lora_module_paths(adapted) == sorted(expected_paths(family))
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA)
+    assert lora_lib.lora_module_paths(adapted) == sorted(expected_paths(family))
     flat = nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))
     names = {str(path[-1]) for path, _ in flat}
     assert names <= {"w_lora_a", "w_lora_b", "kernel_lora_a", "kernel_lora_b"}
@@ -71,15 +72,15 @@ def test_default_targets_adapt_every_projection(family, base):
         if not isinstance(v, nnx.LoRAParam)
     ]
     assert plain == [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-    assert models.lora_module_paths(model) == []
-    default = models.default_lora_targets(FIXTURE_FAMILY[family])
+    assert lora_lib.lora_module_paths(model) == []
+    default = lora_lib.default_lora_targets(FIXTURE_FAMILY[family])
     assert adapted.posttrain_lora == lora_lib.LoraSettings(RANK, ALPHA, default)
 
 
 def test_lora_starts_as_the_base_model(base):
     """qwix's init: lora_a random (he-uniform), lora_b zero, so x A B = 0 at the start."""
     model, _ = base("llama3")
-    adapted = models.apply_lora(model, RANK, ALPHA)
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA)
     for path, var in nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam)):
         value = np.asarray(var.get_value())
         if str(path[-1]).endswith("_lora_a"):
@@ -87,10 +88,10 @@ def test_lora_starts_as_the_base_model(base):
             assert 0 < np.abs(value).max() <= bound, path
         else:
             assert not value.any(), path
-    again = models.apply_lora(model, RANK, ALPHA)  # deterministic for a seed
+    again = lora_lib.apply_lora(model, RANK, ALPHA)  # deterministic for a seed
     a = adapted.layers[1].mlp.up_proj.kernel_lora_a.get_value()
     np.testing.assert_array_equal(a, again.layers[1].mlp.up_proj.kernel_lora_a.get_value())
-    other = models.apply_lora(model, RANK, ALPHA, seed=1).layers[1].mlp.up_proj.kernel_lora_a
+    other = lora_lib.apply_lora(model, RANK, ALPHA, seed=1).layers[1].mlp.up_proj.kernel_lora_a
     assert not np.array_equal(a, other.get_value())
 
 
@@ -107,14 +108,14 @@ def test_lora_starts_as_the_base_model(base):
 )
 def test_named_targets(family, targets, modules, base):
     model, _ = base(family)
-    adapted = models.apply_lora(model, RANK, ALPHA, targets)
-    assert models.lora_module_paths(adapted) == sorted(expected_paths(family, modules=modules))
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA, targets)
+    assert lora_lib.lora_module_paths(adapted) == sorted(expected_paths(family, modules=modules))
 
 
 def test_regex_targets(base):
     model, _ = base("llama3")
-    adapted = models.apply_lora(model, RANK, ALPHA, r"layers/1/(attn/o_proj|mlp/up_proj)")
-    assert models.lora_module_paths(adapted) == ["layers/1/attn/o_proj", "layers/1/mlp/up_proj"]
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA, r"layers/1/(attn/o_proj|mlp/up_proj)")
+    assert lora_lib.lora_module_paths(adapted) == ["layers/1/attn/o_proj", "layers/1/mlp/up_proj"]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +135,7 @@ def test_regex_targets(base):
 def test_bad_targets_name_the_field(family, targets, message, base):
     model, _ = base(family)
     with pytest.raises(ValueError, match=r"spec\.lora\.targetModules") as err:
-        models.apply_lora(model, RANK, ALPHA, targets)
+        lora_lib.apply_lora(model, RANK, ALPHA, targets)
     assert message in str(err.value)
 
 
@@ -143,16 +144,16 @@ def test_peft_golden(family, base, tmp_path):
     """A committed adapter (that peft loads onto transformers with these logits) gives the
     same logits here, and exporting it again reproduces the committed files."""
     model, info = base(family)
-    adapted = models.apply_lora(model, RANK, ALPHA)
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA)
     adapter = FIXTURES / family / "peft_adapter"
-    models.load_peft_adapter(adapted, adapter)
+    lora_lib.load_peft_adapter(adapted, adapter)
     golden = np.load(FIXTURES / family / "peft_golden.npz")
     logits = np.asarray(models.forward(adapted, golden["input_ids"]))
     np.testing.assert_allclose(logits, golden["logits"], atol=TOL, rtol=0)
     base_logits = np.load(FIXTURES / family / "golden.npz")["logits"]
     assert np.abs(logits - base_logits).max() > 100 * TOL  # the adapter does something
 
-    out = models.save_peft_adapter(
+    out = lora_lib.save_peft_adapter(
         adapted, tmp_path / "adapter", info, base_model_name=f"posttrain-fixtures/tiny-{family}"
     )
     committed, exported = (
@@ -170,8 +171,8 @@ def test_peft_golden(family, base, tmp_path):
 @pytest.mark.parametrize("family", ["llama3", "gemma2", "gemma3-mha"])
 def test_adapter_uses_peft_names_and_shapes(family, base, tmp_path):
     model, info = base(family)
-    adapted = models.apply_lora(model, RANK, ALPHA)
-    out = models.save_peft_adapter(adapted, tmp_path, info, base_model_name="org/base")
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA)
+    out = lora_lib.save_peft_adapter(adapted, tmp_path, info, base_model_name="org/base")
     tensors = load_file(out / "adapter_model.safetensors")
     d, f = info.hidden_size, info.intermediate_size
     n, k, h = info.num_heads, info.num_kv_heads, info.head_dim
@@ -211,8 +212,8 @@ def test_adapter_uses_peft_names_and_shapes(family, base, tmp_path):
 
 def test_partial_targets_export_a_regex_that_peft_full_matches(base, tmp_path):
     model, info = base("qwen2")
-    adapted = models.apply_lora(model, RANK, ALPHA, r"layers/0/attn/(q_proj|v_proj)")
-    out = models.save_peft_adapter(adapted, tmp_path, info)
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA, r"layers/0/attn/(q_proj|v_proj)")
+    out = lora_lib.save_peft_adapter(adapted, tmp_path, info)
     target = json.loads((out / "adapter_config.json").read_text())["target_modules"]
     assert isinstance(target, str)
     names = [
@@ -228,9 +229,9 @@ def test_partial_targets_export_a_regex_that_peft_full_matches(base, tmp_path):
 def test_merged_export_equals_lora_model(family, base, tmp_path):
     """save_hf merges (alpha / r) * B @ A into the weights: same logits as the adapter."""
     model, info = base(family)
-    adapted = models.apply_lora(model, RANK, ALPHA)
-    models.load_peft_adapter(adapted, FIXTURES / family / "peft_adapter")
-    merged, _ = models.load_model(models.save_hf(adapted, tmp_path / "merged", info))
+    adapted = lora_lib.apply_lora(model, RANK, ALPHA)
+    lora_lib.load_peft_adapter(adapted, FIXTURES / family / "peft_adapter")
+    merged, _ = models.load_model(save_hf(adapted, tmp_path / "merged", info))
     golden = np.load(FIXTURES / family / "peft_golden.npz")
     logits = np.asarray(models.forward(merged, golden["input_ids"]))
     np.testing.assert_allclose(logits, golden["logits"], atol=TOL, rtol=0)
@@ -240,12 +241,12 @@ def test_restore_refuses_mismatched_adapters(base):
     model, _ = base("llama3")
     adapter = FIXTURES / "llama3" / "peft_adapter"
     with pytest.raises(ValueError, match=r"spec\.lora\.restoreFrom.*r=4.*rank=8"):
-        models.load_peft_adapter(models.apply_lora(model, 8, ALPHA), adapter)
+        lora_lib.load_peft_adapter(lora_lib.apply_lora(model, 8, ALPHA), adapter)
     with pytest.raises(ValueError, match=r"spec\.lora\.restoreFrom.*does not\s+target"):
-        models.load_peft_adapter(models.apply_lora(model, RANK, ALPHA, ["q_proj"]), adapter)
+        lora_lib.load_peft_adapter(lora_lib.apply_lora(model, RANK, ALPHA, ["q_proj"]), adapter)
     with pytest.raises(FileNotFoundError, match=r"spec\.lora\.restoreFrom.*lacks"):
-        models.load_peft_adapter(
-            models.apply_lora(model, RANK, ALPHA, "all-linear"), FIXTURES / "llama3"
+        lora_lib.load_peft_adapter(
+            lora_lib.apply_lora(model, RANK, ALPHA, "all-linear"), FIXTURES / "llama3"
         )
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        models.load_peft_adapter(model, adapter)
+        lora_lib.load_peft_adapter(model, adapter)

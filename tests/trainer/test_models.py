@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 
 from posttrain.trainer import models
+from posttrain.trainer.models.saving import save_hf
 from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
@@ -140,7 +141,7 @@ def test_param_blocks_read_only_what_they_need(family):
 @pytest.mark.parametrize("family", FIXTURE_FAMILY)
 def test_save_hf_round_trip(family, loaded, tmp_path):
     model, info = loaded(family)
-    out = models.save_hf(model, tmp_path / "hf", info)
+    out = save_hf(model, tmp_path / "hf", info)
     from safetensors.numpy import load_file
 
     original = load_file(FIXTURES / family / "model.safetensors")
@@ -161,7 +162,7 @@ def test_save_hf_round_trip(family, loaded, tmp_path):
 
 def test_save_hf_bfloat16_and_shards(loaded, tmp_path):
     model, info = loaded("llama3")
-    out = models.save_hf(model, tmp_path / "hf", info, dtype=jnp.bfloat16, max_shard_bytes=40_000)
+    out = save_hf(model, tmp_path / "hf", info, dtype=jnp.bfloat16, max_shard_bytes=40_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -227,11 +228,11 @@ def test_legacy_rope_fields_are_read():
 
 def test_mesh_axes_that_do_not_divide_a_dimension_are_dropped():
     mesh = types.SimpleNamespace(shape={"fsdp": 2, "tp": 4})
-    assert models._fit_spec(("fsdp", "tp", None), (64, 2, 16), mesh) == ("fsdp", None, None)
-    assert models._fit_spec(("tp", "fsdp"), (128, 64), mesh) == ("tp", "fsdp")
-    assert models._fit_spec((("fsdp", "tp"),), (8,), mesh) == (("fsdp", "tp"),)
-    assert models._fit_spec((("fsdp", "tp"),), (4,), mesh) == (None,)
-    assert models._fit_spec(("sp",), (8,), mesh) == (None,)
+    assert models.fit_spec(("fsdp", "tp", None), (64, 2, 16), mesh) == ("fsdp", None, None)
+    assert models.fit_spec(("tp", "fsdp"), (128, 64), mesh) == ("tp", "fsdp")
+    assert models.fit_spec((("fsdp", "tp"),), (8,), mesh) == (("fsdp", "tp"),)
+    assert models.fit_spec((("fsdp", "tp"),), (4,), mesh) == (None,)
+    assert models.fit_spec(("sp",), (8,), mesh) == (None,)
 
 
 def test_gemma3_multimodal_layout(loaded, tmp_path):
@@ -258,7 +259,7 @@ def test_gemma3_multimodal_layout(loaded, tmp_path):
     assert (info.family, info.hf_prefix) == ("gemma3", "model.language_model.")
     ids, expected = golden("gemma3")
     np.testing.assert_allclose(np.asarray(models.forward(model, ids)), expected, atol=TOL, rtol=0)
-    out = models.save_hf(model, tmp_path / "text", info)
+    out = save_hf(model, tmp_path / "text", info)
     assert set(load_file(out / "model.safetensors")) == set(load_file(src / "model.safetensors"))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
@@ -272,7 +273,8 @@ _TWO_PROCESSES = textwrap.dedent(
     port, pid, fixtures, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     from jax.experimental import multihost_utils
-    from posttrain.trainer import models
+    from posttrain.trainer import lora as lora_lib, models
+    from posttrain.trainer.models.saving import save_hf
 
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     result = {}
@@ -305,11 +307,11 @@ _TWO_PROCESSES = textwrap.dedent(
         "read": sum(n for _, n in reads),
         "total": sum(int(np.prod(m.shape)) for m in models.param_maps(info)),
     }
-    models.save_hf(model, f"{out}/hf-{pid}", info)  # every process gathers, process 0 writes
+    save_hf(model, f"{out}/hf-{pid}", info)  # every process gathers, process 0 writes
 
     # LoRA on the mesh, restored from the committed PEFT adapter
-    lora = models.apply_lora(model, 4, 8.0, mesh=mesh)
-    models.load_peft_adapter(lora, f"{fixtures}/qwen2/peft_adapter")
+    lora = lora_lib.apply_lora(model, 4, 8.0, mesh=mesh)
+    lora_lib.load_peft_adapter(lora, f"{fixtures}/qwen2/peft_adapter")
     b = lora.layers[0].mlp.gate_proj.kernel_lora_b.get_value()
     result["lora"] = {
         "diff": logits_diff(lora, mesh, f"{fixtures}/qwen2/peft_golden.npz"),

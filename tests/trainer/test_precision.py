@@ -25,6 +25,7 @@ from tiny_model import make_tiny_llama
 from posttrain.api.validate import validate
 from posttrain.trainer import loop, lora, models, optim, sft
 from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.models.saving import save_hf
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,7 +236,7 @@ def test_adapter_exports_from_a_bfloat16_base(lora_bf16, tmp_path):
         assert value.dtype == jnp.float32
         assert np.array_equal(np.asarray(value), np.asarray(var.get_value())), path
 
-    out = models.save_hf(model, tmp_path / "merged", info)
+    out = save_hf(model, tmp_path / "merged", info)
     with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
         merged = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     assert merged.dtype == BF16

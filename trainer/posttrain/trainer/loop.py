@@ -37,6 +37,7 @@ from posttrain.trainer import data, evaluate, lora, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.models.saving import save_hf
 from posttrain.trainer.progress import Progress, StatusWriter
 
 log = logging.getLogger("posttrain.trainer")
@@ -554,7 +555,7 @@ def _export(
             model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
         )
     else:
-        models.save_hf(model, out.local, info)
+        save_hf(model, out.local, info)
     if jax.process_index() == 0:
         for name in (
             "tokenizer.json",

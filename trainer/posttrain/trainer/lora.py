@@ -278,7 +278,7 @@ def _init_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh) -> j
     else:
         value = np.zeros(shape, dtype)
     spec = var.get_metadata().get("out_sharding") or ()
-    spec = models._fit_spec(spec, shape, mesh)
+    spec = models.fit_spec(spec, shape, mesh)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     return jax.make_array_from_callback(shape, sharding, lambda idx: value[idx])
 

@@ -1,0 +1,69 @@
+"""Hugging Face safetensors checkpoints <-> Tunix nnx models, for the trainer.
+
+Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` reads the HF
+``config.json``). One module a step:
+
+- ``families``: the family table (HF ``model_type``/``architectures`` names, Tunix classes);
+- ``rope``: the RoPE fix (Tunix's llama3/qwen3 attention with config.json's frequencies);
+- ``config``: config.json -> family, Tunix ``ModelConfig`` and ``ModelInfo``;
+- ``params``: which HF tensor(s) each Tunix parameter is made of;
+- ``safetensors_io``: reading safetensors a slice at a time, writing them a tensor at a time;
+- ``loading``: a checkpoint into a sharded model, each host reading only its shards;
+- ``generation``: the forward pass and greedy generation;
+- ``saving``: a model (LoRA merged in) back to a HF checkpoint.
+
+Imports point one way: ``posttrain.trainer.lora`` stands on this package, and
+``saving`` stands on ``lora`` (it merges the adapters), so this package re-exports
+everything but ``saving``: ``from posttrain.trainer.models.saving import save_hf``.
+LoRA (qwix) and the PEFT adapter format: ``posttrain.trainer.lora``.
+
+Nothing here imports Kubernetes code.
+"""
+
+from __future__ import annotations
+
+from posttrain.trainer.mesh import make_mesh
+from posttrain.trainer.models.config import (
+    ModelInfo,
+    build_config,
+    detect_family,
+    model_info,
+    read_hf_config,
+)
+from posttrain.trainer.models.families import FAMILIES
+from posttrain.trainer.models.generation import (
+    Generation,
+    causal_mask,
+    compute_view,
+    forward,
+    greedy_generate,
+    init_cache,
+)
+from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
+from posttrain.trainer.models.params import ParamMap, param_maps
+from posttrain.trainer.models.rope import rope_inv_freq
+from posttrain.trainer.models.safetensors_io import host_array, write_safetensors
+
+__all__ = [
+    "FAMILIES",
+    "Generation",
+    "ModelInfo",
+    "ParamMap",
+    "abstract_model",
+    "build_config",
+    "causal_mask",
+    "compute_view",
+    "detect_family",
+    "fit_spec",
+    "forward",
+    "greedy_generate",
+    "host_array",
+    "init_cache",
+    "load_model",
+    "make_mesh",
+    "model_info",
+    "param_maps",
+    "read_hf_config",
+    "rope_inv_freq",
+    "write_safetensors",
+]

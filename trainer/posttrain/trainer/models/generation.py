@@ -1,0 +1,120 @@
+"""Running a model: its forward pass (in its compute dtype) and greedy generation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def causal_mask(input_mask: jax.Array) -> jax.Array:
+    """[B, T] padding mask -> [B, T, T] causal attention mask."""
+    t = input_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    return causal[None] & input_mask[:, None, :].astype(jnp.bool_)
+
+
+def compute_view(model: nnx.Module) -> nnx.Module:
+    """``model`` as its forward pass should see it: float params held in another dtype
+    than the model's compute dtype (float32 master weights of a bfloat16 run, float32
+    LoRA adapters) cast to it. Called inside a traced function, so gradients flow back
+    to the params in their own dtype; ``model`` itself when there is nothing to cast."""
+    dtype = getattr(model, "posttrain_compute_dtype", None)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def other(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+
+    if dtype is None or not any(other(x) for x in jax.tree.leaves(params)):
+        return model
+    params = jax.tree.map(lambda x: x.astype(dtype) if other(x) else x, params)
+    return nnx.merge(graphdef, params, rest)
+
+
+@nnx.jit
+def _forward(model, tokens, positions, mask):
+    logits, _ = compute_view(model)(tokens, positions, None, mask)
+    return logits.astype(jnp.float32)
+
+
+def forward(model: nnx.Module, input_ids: Any, input_mask: Any | None = None) -> jax.Array:
+    """Float32 logits ``[B, T, V]`` for right-padded ``input_ids`` (jit-compiled)."""
+    tokens = jnp.asarray(input_ids, jnp.int32)
+    mask = (
+        jnp.ones_like(tokens, jnp.bool_)
+        if input_mask is None
+        else jnp.asarray(input_mask, jnp.bool_)
+    )
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+    return _forward(model, tokens, positions, causal_mask(mask))
+
+
+def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any = None) -> dict:
+    """An empty KV cache in the layout Tunix's attention layers update."""
+    cfg = model.config
+    if dtype is None:
+        dtype = getattr(model, "posttrain_compute_dtype", None)
+    if dtype is None:
+        dtype = model.embedder.input_embedding.get_value().dtype
+    shape = (batch_size, cache_size, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        f"layer_{i}": {
+            "k": jnp.zeros(shape, dtype),
+            "v": jnp.zeros(shape, dtype),
+            "end_index": jnp.zeros((batch_size,), jnp.int32),
+        }
+        for i in range(cfg.num_layers)
+    }
+
+
+@nnx.jit
+def _greedy_step(model, tokens, positions, cache, mask):
+    logits, cache = compute_view(model)(tokens, positions, cache, mask)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+@dataclasses.dataclass
+class Generation:
+    token_ids: list[int]
+    text: str | None
+
+
+def greedy_generate(
+    model: nnx.Module,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_token_ids: Iterable[int] = (),
+) -> Generation:
+    """Greedy decoding of one prompt with Tunix's KV cache (prefill + one token a step).
+
+    ``tokenizer`` (a ``tokenizers.Tokenizer`` or anything with ``decode``) only decodes
+    the result; pass None to get ids alone. Stops at ``eos_token_ids``.
+    """
+    prompt = jnp.asarray(prompt_ids, jnp.int32)[None]
+    length = prompt.shape[1]
+    size = length + max_new_tokens
+    cache = init_cache(model, 1, size)
+    slots = jnp.arange(size)
+    step = nnx.cached_partial(_greedy_step, model)
+    mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
+    token, cache = step(prompt, jnp.arange(length, dtype=jnp.int32)[None], cache, mask)
+    stop = set(eos_token_ids)
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        tok = int(token[0])
+        out.append(tok)
+        if tok in stop or i == max_new_tokens - 1:
+            break
+        pos = length + i
+        mask = (slots <= pos)[None, None, :]
+        token, cache = step(token[:, None], jnp.full((1, 1), pos, jnp.int32), cache, mask)
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode([t for t in out if t not in stop])
+    return Generation(out, text)
