@@ -140,3 +140,102 @@ def test_missing_or_broken_images_name_the_row_and_column(tmp_path):
     truncated = buf.getvalue()[: len(buf.getvalue()) // 2]  # a file cut short
     with pytest.raises(data.DataError, match="not a decodable"):
         images.load_image(truncated, str(tmp_path), where, "images")
+
+
+# ------------------------------------------------------------------------------ model
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    import jax.numpy as jnp
+
+    from posttrain.trainer import models
+
+    return models.load_model(FIXTURE, dtype=jnp.float32, vision=True)
+
+
+def _pixels(golden, key):
+    return golden[f"pixel_values_{key}"].transpose(0, 2, 3, 1)[None]  # [1, N, H, W, C]
+
+
+def test_logits_match_transformers_with_one_and_two_images(loaded, golden):
+    """Both conversations in one right-padded batch: the one-image row's image slots are
+    padded with a zero image, which no soft token reads."""
+    from posttrain.trainer import vision
+
+    model, info = loaded
+    assert info.vision.tower_prefix == "vision_tower."  # the layout transformers 5 writes
+    one, two = golden["input_ids_one"][0], golden["input_ids_two"][0]
+    ids = np.zeros((2, len(two)), np.int64)
+    ids[0, : len(one)], ids[1] = one, two
+    mask = np.arange(len(two))[None] < np.array([[len(one)], [len(two)]])
+    pixels = np.zeros((2, 2, 32, 32, 3), np.float32)
+    pixels[0, :1], pixels[1] = _pixels(golden, "one")[0], _pixels(golden, "two")[0]
+    logits = np.asarray(vision.forward(model, ids, pixels, mask))
+    np.testing.assert_allclose(logits[0, : len(one)], golden["logits_one"][0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits[1], golden["logits_two"][0], atol=TOL, rtol=0)
+
+
+def test_image_soft_tokens_attend_both_ways(golden):
+    """Without the image blocks (a causal mask only) the logits are off: the mask is what
+    makes them match."""
+    import jax.numpy as jnp
+
+    from posttrain.trainer import vision
+
+    ids = jnp.asarray(golden["input_ids_two"])
+    blocks = np.asarray(vision.image_blocks(ids, 8))[0]
+    soft = np.asarray(ids[0] == 8)
+    assert blocks.sum() == 2 * 16 * 16  # two images, 16 soft tokens each
+    assert not blocks[~soft].any() and not blocks[:, ~soft].any()
+    first = np.flatnonzero(soft)[:16]
+    assert blocks[np.ix_(first, first)].all() and not blocks[first[0], np.flatnonzero(soft)[16]]
+
+
+def test_causal_mask_alone_does_not_match(loaded, golden, monkeypatch):
+    import jax.numpy as jnp
+
+    from posttrain.trainer import vision
+
+    model, _ = loaded
+    monkeypatch.setattr(
+        vision, "image_blocks", lambda t, _: jnp.zeros(t.shape + t.shape[-1:], bool)
+    )
+    logits = np.asarray(vision.forward(model, golden["input_ids_one"], _pixels(golden, "one")))
+    assert np.abs(logits - golden["logits_one"]).max() > 100 * TOL
+
+
+def test_vision_params_read_only_their_blocks(loaded):
+    """The tower's and projector's maps read blocks (make_array_from_callback) exactly."""
+    from safetensors.numpy import load_file
+
+    from posttrain.trainer import vision
+
+    _, info = loaded
+    tensors = load_file(FIXTURE / "model.safetensors")
+    maps = vision.param_maps(info.vision, info.hidden_size)
+    assert {n for m in maps for n in m.sources} == {
+        k for k in tensors if k.startswith(("vision_tower.", "multi_modal_projector."))
+    }
+    for m in maps:
+        full = m.read(tensors.__getitem__, ())
+        half = tuple(slice(0, max(1, d // 2)) for d in m.shape)
+        np.testing.assert_array_equal(m.read(tensors.__getitem__, half), full[half])
+        for name, value in m.to_hf(full).items():
+            np.testing.assert_array_equal(value, tensors[name])
+
+
+def test_images_need_a_vision_tower():
+    from posttrain.api import model_shapes
+    from posttrain.trainer import models
+
+    text = Path(__file__).parent / "fixtures" / "gemma3"
+    with pytest.raises(ValueError, match=r"spec\.data\.columns\.images: .* no vision tower"):
+        models.model_info(text, vision=True)
+    with pytest.raises(ValueError, match=r"spec\.data\.columns\.images: .* qwen3"):
+        models.model_info(text.parent / "qwen3", vision=True)
+    assert model_shapes.has_vision_tower(str(FIXTURE)) is True
+    assert model_shapes.has_vision_tower(str(text)) is False
+    assert model_shapes.has_vision_tower("hf://google/gemma-3-4b-it") is True
+    assert model_shapes.has_vision_tower("hf://google/gemma-3-1b-it") is False
+    assert model_shapes.has_vision_tower("hf://someone/unknown-model") is None

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tunix.models.gemma3 import utils as gemma3_utils
 from tunix.models.gemma3 import vision as siglip_lib
 
 from posttrain.trainer.mesh import ACTIVATION_BATCH
@@ -117,6 +116,18 @@ def vision_info(hf: dict) -> VisionInfo | None:
         eoi_token_id=int(_first(hf, "eoi_token_id", "eoi_token_index", default=256000)),
         layer_norm_eps=eps,
     )
+
+
+def require_vision_info(hf: dict, family: str, model_dir: Any) -> VisionInfo:
+    """vision_info of a checkpoint that must have a vision tower."""
+    vi = vision_info(hf) if family == "gemma3" else None
+    if vi is None:
+        raise ValueError(
+            f"spec.data.columns.images: {model_dir} has no vision tower (images need a "
+            f"Gemma3ForConditionalGeneration checkpoint; this one is {family}"
+            f"{', text only' if family == 'gemma3' else ''})"
+        )
+    return vi
 
 
 def with_prefixes(vi: VisionInfo, keys: set[str]) -> VisionInfo:
@@ -242,12 +253,21 @@ def is_vision_param(path: tuple) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
+def image_blocks(tokens: jax.Array, image_token_id: int) -> jax.Array:
+    """[B, T] tokens -> [B, T, T]: True where both tokens are soft tokens of the same image
+    (one unbroken run of them), which attend to each other both ways."""
+    is_image = tokens == image_token_id
+    starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    block = jnp.cumsum(starts, axis=-1) * is_image
+    return (block[:, :, None] == block[:, None, :]) & (block[:, :, None] > 0)
+
+
 def attention_mask(tokens: jax.Array, input_mask: jax.Array, image_token_id: int) -> jax.Array:
-    """[B, T] tokens and padding mask -> [B, T, T]: causal, and each image's run of soft
-    tokens attending to itself both ways."""
-    return gemma3_utils.make_causal_bidirectional_attention_mask(
-        input_mask.astype(jnp.bool_), bidirectional_mask=tokens == image_token_id
-    )
+    """[B, T] tokens and padding mask -> [B, T, T]: causal, and each image's soft tokens
+    attending to each other both ways (as transformers does from token_type_ids)."""
+    from posttrain.trainer.models import causal_mask
+
+    return causal_mask(input_mask) | image_blocks(tokens, image_token_id)
 
 
 @nnx.jit
@@ -264,7 +284,7 @@ def forward(
     """Float32 logits ``[B, T, V]`` of right-padded ``input_ids`` whose image soft tokens
     take the embeddings of ``images`` ``[B, N, H, W, C]`` (processed pixels, in order;
     rows with fewer images are padded at the end with any pixels)."""
-    image_token_id = model.config.vision_config.soft_token_placeholder
+    soft = image_token_id(model)
     tokens = jnp.asarray(input_ids, jnp.int32)
     mask = (
         jnp.ones_like(tokens, jnp.bool_)
@@ -273,4 +293,12 @@ def forward(
     )
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
     pixels = jnp.asarray(np.asarray(images), jnp.float32)
-    return _forward(model, tokens, positions, attention_mask(tokens, mask, image_token_id), pixels)
+    return _forward(model, tokens, positions, attention_mask(tokens, mask, soft), pixels)
+
+
+def image_token_id(model: nnx.Module) -> int:
+    """The soft-token placeholder id of a Tunix Gemma 3 with a vision tower."""
+    vc = getattr(model.config, "vision_config", None)
+    if vc is None:
+        raise ValueError("spec.data.columns.images: the model was loaded without a vision tower")
+    return int(vc.soft_token_placeholder)

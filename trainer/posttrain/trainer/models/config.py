@@ -47,6 +47,7 @@ class ModelInfo:
     layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     compute_dtype: Any = None  # of the forward pass (see compute_view)
+    vision: Any = None  # posttrain.trainer.vision.VisionInfo when the vision tower is loaded
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
@@ -272,9 +273,11 @@ def model_info(
     compute_dtype: Any = None,
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
+    vision: bool = False,
 ) -> tuple[ModelInfo, dict]:
     """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights.
-    ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors)."""
+    ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors);
+    ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.vision``)."""
     model_dir = Path(model_dir)
     if family in (None, "", "auto"):
         family = detect_family(model_dir)
@@ -305,6 +308,11 @@ def model_info(
         eos_token_ids=_eos_ids(model_dir, hf),
         compute_dtype=jnp.dtype(compute_dtype),
     )
+    if vision:
+        from posttrain.trainer import vision as vision_lib
+
+        info.vision = vision_lib.require_vision_info(read_hf_config(model_dir), family, model_dir)
+        info.config = vision_lib.with_vision(info.config, info.vision)
     return info, extras
 
 

@@ -98,6 +98,7 @@ def load_model(
     weights: str | None = None,
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
+    vision: bool = False,
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
@@ -107,6 +108,7 @@ def load_model(
     are dropped for it); every callback reads only its block from the safetensors files.
     ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
     blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
+    ``vision`` loads Gemma 3's vision tower and projector too (``posttrain.trainer.vision``).
     """
     info, extras = model_info(
         model_dir,
@@ -115,11 +117,16 @@ def load_model(
         compute_dtype=compute_dtype,
         num_layers=num_layers,
         layers_field=layers_field,
+        vision=vision,
     )
     mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
     reader = SafetensorsDir(str(weights or model_dir))
     try:
         info.hf_prefix = detect_prefix(reader.keys())
+        if info.vision is not None:
+            from posttrain.trainer import vision as vision_lib
+
+            info.vision = vision_lib.with_prefixes(info.vision, reader.keys())
         model = abstract_model(info, extras, mesh)
         graphdef, abs_state = nnx.split(model)
         flat = dict(nnx.to_flat_state(abs_state))

@@ -174,4 +174,8 @@ def param_maps(info: ModelInfo) -> list[ParamMap]:
             "language_model.lm_head.weight" if p.startswith("language_model.") else "lm_head.weight"
         )
         maps.append(ParamMap(("lm_head", "w"), (head,), ((v,), (d,)), (1, 0)))
+    if info.vision is not None:  # Gemma 3's vision tower and projector
+        from posttrain.trainer import vision
+
+        maps += vision.param_maps(info.vision, info.hidden_size)
     return maps
