@@ -1193,6 +1193,7 @@ def _start_apiserver(state: State) -> None:
             "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",
+            *_front_proxy_args(),
         ],
     )
     _wait(
@@ -1402,6 +1403,68 @@ def _kueue_certs(certs: Path) -> bytes:
     return ca.cert_pem
 
 
+KUEUE_VISIBILITY_CERTS = Path("/visibility")  # Kueue hard-codes it (pkg/visibility)
+KUEUE_VISIBILITY_APISERVICE = "v1beta2.visibility.kueue.x-k8s.io"
+
+
+def _front_proxy_args() -> list[str]:
+    """kube-apiserver's front proxy: it forwards requests for aggregated APIs (Kueue's
+    visibility API) with a client cert of the cluster CA named front-proxy-client and the
+    user in X-Remote-* headers, which the aggregated server trusts from that cert only."""
+    cert, key = PKI_DIR / "front-proxy-client.crt", PKI_DIR / "front-proxy-client.key"
+    if not cert.exists():
+        pem, private = CA.load(PKI_DIR).issue("front-proxy-client", client=True)
+        cert.write_bytes(pem)
+        _write_private(key, private)
+    return [
+        f"--requestheader-client-ca-file={PKI_DIR / 'ca.crt'}",
+        "--requestheader-allowed-names=front-proxy-client",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={cert}",
+        f"--proxy-client-key-file={key}",
+    ]
+
+
+def _kueue_visibility(state: State | None) -> tuple[dict[str, Any], list[str]]:
+    """Kueue's visibility API (pending workloads with their queue positions), an
+    aggregated API server: registers its APIService and returns Kueue's config and
+    flags for it (state None: removes the APIService, whose discovery would fail once
+    Kueue stops). The APIService reaches 127.0.0.1 through a Service of type
+    ExternalName (this plane has no Service network) and skips TLS verification as
+    Kueue's own manifest does. Kueue writes its self-signed serving cert to
+    /visibility, a path it hard-codes; where that cannot be written the API stays off."""
+    import yaml
+
+    if state is None:
+        kubectl("delete", "apiservice", KUEUE_VISIBILITY_APISERVICE, "--ignore-not-found",
+                "--wait=false", check=False, timeout=20)  # fmt: skip
+        return {}, []
+    try:
+        KUEUE_VISIBILITY_CERTS.mkdir(exist_ok=True)
+        if not os.access(KUEUE_VISIBILITY_CERTS, os.W_OK):
+            raise PermissionError(f"{KUEUE_VISIBILITY_CERTS} is not writable")
+    except OSError as e:
+        log(f"kueue: visibility API off ({e})")
+        return {}, ["--feature-gates=VisibilityOnDemand=false"]
+    port = state.port("kueue-visibility")
+    path = module_dir("sigs.k8s.io/kueue", KUEUE_VERSION) / "config/components/visibility"
+    api = yaml.safe_load((path / "apiservice_v1beta2.yaml").read_text())
+    name = "kueue-visibility-server"
+    api["spec"]["service"] = {"name": name, "namespace": KUEUE_NAMESPACE, "port": port}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": KUEUE_NAMESPACE},
+        "spec": {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": port}]},
+    }
+    apply_objects([service, api])
+    config = {"visibilityServer": {"bindAddress": "127.0.0.1", "bindPort": port}}
+    # Its delegated authentication and authorization read the --kubeconfig flag.
+    return config, [f"--kubeconfig={KUBECONFIG}"]
+
+
 def _start_kueue(state: State) -> None:
     import yaml
 
@@ -1440,6 +1503,7 @@ def _start_kueue(state: State) -> None:
         failure_policy="Ignore",
     )
     _kueue_conversion(f"{url_base}/convert", ca)
+    visibility, visibility_args = _kueue_visibility(state)
     cfg = RUN_DIR / "kueue.yaml"
     cfg.write_text(
         yaml.safe_dump(
@@ -1457,21 +1521,27 @@ def _start_kueue(state: State) -> None:
                 "metrics": {"bindAddress": "0"},
                 "health": {"healthProbeBindAddress": f"127.0.0.1:{health}"},
                 "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
+                **visibility,
             }
         )
     )
     _start(
         "kueue",
-        [
-            str(BIN_DIR / "kueue"),
-            f"--config={cfg}",
-            # The visibility API is an aggregated API server (APIService + front proxy):
-            # not wired here.
-            "--feature-gates=VisibilityOnDemand=false",
-        ],
+        [str(BIN_DIR / "kueue"), f"--config={cfg}", *visibility_args],
         env={"KUBECONFIG": str(KUBECONFIG)},
     )
     _wait("kueue", lambda: _http_ok(f"http://127.0.0.1:{health}/readyz"), 120)
+    if visibility:  # it serves a moment after readyz; until then discovery fails
+        available = "jsonpath={.status.conditions[?(@.type=='Available')].status}"
+        get = ("get", "apiservice", KUEUE_VISIBILITY_APISERVICE, "-o", available)
+        try:
+            _wait("kueue", lambda: kubectl(*get, check=False, timeout=10).stdout == "True", 60)
+        except ControlPlaneError:
+            if _pid("kueue") is None:
+                raise
+            # e.g. an API server started without the front-proxy flags: no visibility API.
+            log("kueue: visibility API not available; removing its APIService")
+            _kueue_visibility(None)
     # Serving now: make its webhooks as strict as Kueue ships them.
     register_url_webhooks(
         docs,
@@ -1630,6 +1700,7 @@ def _down_locked(components: Sequence[str] | None = None) -> list[str]:
                 delete_webhooks(prefix)
         if "kueue" in targets and _pid("kueue") is not None:
             _kueue_conversion(None)
+            _kueue_visibility(None)
     for name in reversed(FULL):
         if name in targets and _stop(name):
             stopped.append(name)
