@@ -67,7 +67,7 @@ def tok(tok_dir):
 
 def sft_rows(tok, n=40, max_length=64, packing=False, rows=None):
     ds = data.RawDataset("mem", rows or [chat_row(i) for i in range(n)], [])
-    ds.parts.append(data._FilePart("mem.jsonl", ["messages"], 0))
+    ds.parts.append(data.FilePart("mem.jsonl", ["messages"], 0))
     ex = tokenize_sft(ds, tok, max_length=max_length)
     return SftRows(ex, max_length=max_length, pad_id=tok.pad_id, packing=packing)
 

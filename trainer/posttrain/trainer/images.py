@@ -283,7 +283,7 @@ def tokenize_with_images(
     enc = tokenizer.encode_batch([text])[0]
     ids = np.asarray(enc.ids, dtype=np.int32)
     if completion_only_loss:
-        mask = data._encoding_span_mask(enc, spans)
+        mask = data.encoding_span_mask(enc, spans)
     else:
         mask = np.ones(len(ids), dtype=np.int32)
     mask = np.where(np.isin(ids, image_token_ids(tokenizer)), 0, mask).astype(np.int32)

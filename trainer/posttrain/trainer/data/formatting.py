@@ -1,0 +1,146 @@
+"""Formatting rows: conversations (messages, or prompt + completion) and prompts, rendered
+through the chat template (or as plain text when the tokenizer has none)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from posttrain.trainer.chat_template import ChatTemplate, ChatTemplateError
+from posttrain.trainer.data.errors import DataError
+from posttrain.trainer.data.reading import RawDataset
+from posttrain.trainer.data.tokenizer import Tokenizer
+
+
+def as_messages(value: Any, role: str, where: str, field_name: str) -> list[dict[str, Any]]:
+    """A string as one message of `role`, or a validated list of {role, content}."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if hasattr(value, "tolist"):  # numpy arrays from some readers
+        value = value.tolist()
+    if not isinstance(value, list | tuple):
+        raise DataError(
+            f"{where}: spec.data.columns.{field_name} must be text or a list of "
+            f"{{role, content}} messages, got {type(value).__name__}"
+        )
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise DataError(
+                f"{where}: message {j} of spec.data.columns.{field_name} must be an object "
+                f"with 'role' and 'content', got {str(m)[:80]!r}"
+            )
+        out.append(dict(m))
+    return out
+
+
+def _messages_value(ds: RawDataset, i: int, column: str, field_name: str) -> Any:
+    v = ds.value(i, column, field_name)
+    if isinstance(v, str) and v.lstrip().startswith("["):  # messages stored as JSON text
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{ds.where(i)}: column {column!r} is not valid JSON: {e}") from e
+    return v
+
+
+def sft_conversations(ds: RawDataset, columns: Any) -> list[list[dict[str, Any]]]:
+    """Each row as a conversation: the messages column when the data has it, else
+    prompt/completion as a user turn and an assistant turn."""
+    if ds.has(columns.messages):
+        ds.require(columns.messages, "messages")
+        convs = []
+        for i in range(len(ds)):
+            msgs = as_messages(
+                _messages_value(ds, i, columns.messages, "messages"),
+                "user",
+                ds.where(i),
+                "messages",
+            )
+            if not any(m.get("role") == "assistant" for m in msgs):
+                raise DataError(
+                    f"{ds.where(i)}: column {columns.messages!r} (spec.data.columns.messages)"
+                    " has no assistant message to learn"
+                )
+            convs.append(msgs)
+        return convs
+    if not ds.has(columns.prompt):
+        part = ds.parts[0]
+        raise DataError(
+            f"{part.path}: column {columns.messages!r} (spec.data.columns.messages) not "
+            f"found, nor column {columns.prompt!r} (spec.data.columns.prompt) with "
+            f"{columns.completion!r} (spec.data.columns.completion); columns are: "
+            f"{', '.join(part.columns) or '(none)'}"
+        )
+    ds.require(columns.prompt, "prompt")
+    ds.require(columns.completion, "completion")
+    convs = []
+    for i in range(len(ds)):
+        where = ds.where(i)
+        prompt = as_messages(ds.value(i, columns.prompt, "prompt"), "user", where, "prompt")
+        completion = as_messages(
+            ds.value(i, columns.completion, "completion"), "assistant", where, "completion"
+        )
+        convs.append(prompt + completion)
+    return convs
+
+
+def render_conversation(
+    template: ChatTemplate | None, conversation: list[dict[str, Any]], where: str
+) -> tuple[str, list[tuple[int, int]], bool]:
+    """Text, assistant character spans, and whether the tokenizer should add its own
+    special tokens (only without a chat template)."""
+    if template is None:
+        roles = [m.get("role") for m in conversation]
+        if roles != ["user", "assistant"] or not all(
+            isinstance(m.get("content"), str) for m in conversation
+        ):
+            raise DataError(
+                f"{where}: the tokenizer has no chat template, so only plain prompt/completion "
+                "text can be used; set spec.data.chatTemplate to a Jinja chat template file"
+            )
+        prompt, completion = conversation[0]["content"], conversation[1]["content"]
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
+    try:
+        text, spans = template.render_with_spans(conversation)
+    except ChatTemplateError as e:
+        raise DataError(f"{where}: {e}") from e
+    return text, spans, False
+
+
+def prompt_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    return as_messages(value, "user", where, "prompt")
+
+
+def render_prompt(template: ChatTemplate | None, messages: list[dict[str, Any]], where: str) -> str:
+    if template is None:
+        if len(messages) != 1 or not isinstance(messages[0]["content"], str):
+            raise DataError(
+                f"{where}: the tokenizer has no chat template, so prompts must be plain "
+                "text; set spec.data.chatTemplate"
+            )
+        return messages[0]["content"]
+    try:
+        return template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise DataError(f"{where}: {e}") from e
+
+
+def generation_prompts(spec: Any, tokenizer: Tokenizer, ds: RawDataset, n: int) -> list[str]:
+    """The first n rows' prompts, rendered with the generation prompt: the conversation
+    before its last assistant turn (sft, distill) or the prompt column (dpo, grpo)."""
+    columns, template = spec.data.columns, tokenizer.template(spec.data.chat_template)
+    first = ds.subset(range(min(n, len(ds))))
+    if str(spec.technique) in ("dpo", "grpo"):
+        first.require(columns.prompt, "prompt")
+        messages = [
+            prompt_messages(first.value(i, columns.prompt, "prompt"), first.where(i))
+            for i in range(len(first))
+        ]
+    else:
+        messages = []
+        for conv in sft_conversations(first, columns):
+            last = max(i for i, m in enumerate(conv) if m.get("role") == "assistant")
+            messages.append(conv[:last])
+    return [render_prompt(template, m, first.where(i)) for i, m in enumerate(messages)]
