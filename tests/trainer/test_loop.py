@@ -120,6 +120,53 @@ def test_lora_sft_learns_and_writes_outputs(model_dir, reference):
     assert any(k.endswith("lora_B.weight") for k in adapter(out))
 
 
+def test_goodput_of_an_uninterrupted_run(reference):
+    out, result = reference
+    summary = json.loads((out / "summary.json").read_text())["goodput"]
+    assert summary == result.goodput
+    assert summary["attempts"] == 1 and summary["lostSteps"] == 0
+    assert sum(summary["fractions"].values()) == pytest.approx(1.0)
+    assert summary["seconds"]["lost"] == summary["seconds"]["restart"] == 0.0
+    for part in ("productive", "compile", "startup", "checkpoint"):
+        assert summary["seconds"][part] > 0, part
+    assert 0 < summary["goodput"] < 1
+    tb = scalars(out / "tensorboard")
+    assert tb["goodput/goodput"][12] == pytest.approx(summary["goodput"], rel=1e-6)
+    assert {"goodput/compile", "goodput/dataWait", "goodput/lost_steps"} <= tb.keys()
+
+
+def test_steps_lost_to_crashes_are_counted_once(model_dir, tmp_path, monkeypatch):
+    """Attempts that crash a few steps after their newest checkpoint (a failure injected
+    after steps 7 and 10, checkpoints every 4 steps) and resume: the recorded steps past
+    the checkpoint are lost once each (5, 6, then 9), and the parts still add up to 1."""
+    from posttrain.trainer import goodput, loop
+
+    monkeypatch.setattr(goodput, "RECORD_INTERVAL_S", 0.0)  # record every log step
+    crash_at = {7, 10}
+    step = loop.Progress.step
+
+    def failing_step(self, at, metrics, log_now):
+        step(self, at, metrics, log_now)
+        if at in crash_at:
+            crash_at.remove(at)
+            raise RuntimeError(f"injected failure after step {at}")
+
+    monkeypatch.setattr(loop.Progress, "step", failing_step)
+    doc = job_doc(model_dir, tmp_path / "out", logEverySteps=1)
+    doc["spec"]["checkpoint"]["async"] = False  # a crash never races a save
+    for crash in (7, 10):
+        with pytest.raises(RuntimeError, match=f"after step {crash}"):
+            run_inprocess(doc)
+    result = run_inprocess(doc)
+    assert result.resumed_from == 8 and result.step == 12
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())["goodput"]
+    assert summary["attempts"] == 3 and summary["lostSteps"] == 3
+    seconds = summary["seconds"]
+    assert seconds["lost"] > 0 and seconds["restart"] > 0
+    assert sum(summary["fractions"].values()) == pytest.approx(1.0)
+    assert summary["goodput"] == pytest.approx(seconds["productive"] / sum(seconds.values()))
+
+
 def test_a_finished_run_run_again_trains_and_writes_nothing(model_dir, reference, caplog):
     out, first = reference
     before = {f: f.stat().st_mtime_ns for f in out.rglob("*")}

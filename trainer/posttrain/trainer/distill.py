@@ -20,7 +20,6 @@ teacher_nll, grad_norm, learning_rate, tokens_per_second.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, loop, models, optim, sft
+from posttrain.trainer import evaluate, loop, models, sft
 from posttrain.trainer.distributed import ProcessInfo
 
 
@@ -161,14 +160,10 @@ def train(
     spec = job.spec
     if spec.distill is None:
         raise ValueError("spec.distill: technique distill needs a spec.distill block")
-    stop = stop if stop is not None else loop.StopFlag()
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    mesh = models.make_mesh()
-    policy = loop.load_policy(spec, mesh, scratch)
-    teacher, _ = load_teacher(spec, policy.info, mesh, scratch)
-    tokenizer = data.load_tokenizer(policy.model_dir)
-    loader, held_out = loop.build_data(spec, tokenizer, process)
-    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
+    policy = run.policy
+    teacher, _ = load_teacher(spec, policy.info, run.mesh, run.scratch)
+    opt = run.optimizer()
     step_fn = make_train_step(
         policy.wrt,
         float(spec.distill.temperature),
@@ -176,26 +171,9 @@ def train(
         spec.training.gradient_accumulation,
     )
 
-    def to_global(host_batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        return loop._global_batch(host_batch, mesh)
-
     def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
-        return step_fn(policy.model, opt, teacher, to_global(host_batch))
+        return step_fn(policy.model, opt, teacher, run.to_global(host_batch))
 
     # Held out: the student's own likelihood of the data (loss, perplexity).
-    measure, summarize = evaluate.token_loss(policy.model, to_global)
-    evaluation = evaluate.build(
-        spec, tokenizer, held_out, process, measure, summarize, policy.model
-    )
-    return loop.run_steps(
-        job,
-        policy,
-        opt,
-        loader,
-        step,
-        mesh=mesh,
-        scratch=scratch,
-        show_bar=show_bar,
-        stop=stop,
-        evaluation=evaluation,
-    )
+    measure, summarize = evaluate.token_loss(policy.model, run.to_global)
+    return run.train(opt, step, measure, summarize)

@@ -21,8 +21,6 @@ logps_rejected (+ nll, log_odds_ratio for ORPO), grad_norm, learning_rate, token
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +30,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec, PostTrainJob
-from posttrain.trainer import data, evaluate, loop, models, optim
+from posttrain.trainer import evaluate, loop, models
 from posttrain.trainer.distributed import ProcessInfo
 
 BATCH_KEYS = (
@@ -217,12 +215,8 @@ def train(
     from the newest checkpoint."""
     spec = job.spec
     settings = spec.dpo or DpoSpec()
-    stop = stop if stop is not None else loop.StopFlag()
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    mesh = models.make_mesh()
-    policy = loop.load_policy(spec, mesh, scratch)
-    tokenizer = data.load_tokenizer(policy.model_dir)
-    loader, held_out = loop.build_data(spec, tokenizer, process)
+    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
+    policy = run.policy
     reference, ref_model = "none", None
     if str(settings.algorithm) == "dpo":
         if spec.lora:
@@ -234,14 +228,14 @@ def train(
                 num_layers=spec.model.layers,
                 weights=loop.weights_uri(spec.model.source),
                 family=spec.model.family,
-                mesh=mesh,
+                mesh=run.mesh,
                 dtype=loop.DTYPES[spec.model.dtype],
             )
-    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+    opt = run.optimizer()
     step_fn = make_train_step(policy.wrt, settings, spec.training.gradient_accumulation, reference)
 
     def to_global(host_batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        return loop._global_batch(host_batch, mesh, BATCH_KEYS)
+        return run.to_global(host_batch, BATCH_KEYS)
 
     def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         return step_fn(policy.model, opt, ref_model, to_global(host_batch))
@@ -250,18 +244,4 @@ def train(
     measure, summarize = evaluate.batch_means(
         lambda batch: eval_fn(policy.model, ref_model, batch), to_global
     )
-    evaluation = evaluate.build(
-        spec, tokenizer, held_out, process, measure, summarize, policy.model
-    )
-    return loop.run_steps(
-        job,
-        policy,
-        opt,
-        loader,
-        step,
-        mesh=mesh,
-        scratch=scratch,
-        show_bar=show_bar,
-        stop=stop,
-        evaluation=evaluation,
-    )
+    return run.train(opt, step, measure, summarize)

@@ -35,9 +35,7 @@ import functools
 import importlib.util
 import inspect
 import logging
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -550,28 +548,9 @@ def train(
         raise ValueError("spec.grpo: technique grpo needs a spec.grpo block with rewards")
     check_rollout_engine(str(spec.grpo.rollout_engine))
     rewards.build_rewards(spec.grpo)  # a reward the user got wrong fails before any loading
-    stop = stop if stop is not None else loop.StopFlag()
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    mesh = models.make_mesh()
-    policy = loop.load_policy(spec, mesh, scratch)
-    tokenizer = data.load_tokenizer(policy.model_dir)
-    loader, held_out = loop.build_data(spec, tokenizer, process)
-    run = GrpoRun(job, process, policy, tokenizer, mesh)
-    evaluation = evaluate.build(
-        spec, tokenizer, held_out, process, run.evaluate, reward_summary, policy.model
-    )
-    return loop.run_steps(
-        job,
-        policy,
-        run.opt,
-        loader,
-        run,
-        mesh=mesh,
-        scratch=scratch,
-        show_bar=show_bar,
-        stop=stop,
-        evaluation=evaluation,
-    )
+    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
+    grpo_run = GrpoRun(job, process, run.policy, run.tokenizer, run.mesh)
+    return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary)
 
 
 def reward_summary(sums: dict[str, float]) -> dict[str, float]:

@@ -33,7 +33,7 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import data, evaluate, lora, models, optim, sft, storage
+from posttrain.trainer import data, evaluate, goodput, lora, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
@@ -54,6 +54,7 @@ class Result:
     export_dir: str | None = None
     already_finished: bool = False  # an earlier run had finished; nothing was done
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> held-out metrics
+    goodput: dict[str, Any] | None = None  # goodput.Ledger.summary() over every attempt
 
 
 class StopFlag:
@@ -227,34 +228,99 @@ def train(
     if spec.technique != "sft":
         module = importlib.import_module(TECHNIQUES[str(spec.technique)])
         return module.train(job, process, show_bar=show_bar, stop=stop)
-    stop = stop if stop is not None else StopFlag()
+    run = setup_run(job, process, show_bar=show_bar, stop=stop)
+    opt = run.optimizer()
+    step_fn = sft.make_train_step(run.policy.wrt, spec.training.gradient_accumulation)
+    measure, summarize = evaluate.token_loss(run.policy.model, run.to_global)
+
+    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        loss, grad_norm, _, seen = step_fn(run.policy.model, opt, run.to_global(host_batch))
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": seen}
+
+    return run.train(opt, step, measure, summarize)
+
+
+@dataclass
+class RunSetup:
+    """What every technique's run starts from (`setup_run`): the mesh, the policy, its
+    tokenizer, this host's data, and the run's scratch directory and stop flag."""
+
+    job: PostTrainJob
+    process: ProcessInfo
+    show_bar: bool
+    stop: StopFlag
+    scratch: Path
+    mesh: jax.sharding.Mesh
+    policy: Policy
+    tokenizer: data.Tokenizer
+    loader: data.DataLoader
+    held_out: data.RawDataset | None
+    started: tuple[float, float]  # (monotonic, wall clock) when setup began: goodput
+
+    def optimizer(self) -> nnx.Optimizer:
+        """spec.training's optimizer over the policy's trainable params."""
+        return nnx.Optimizer(
+            self.policy.model, optim.optimizer(self.job.spec.training), wrt=self.policy.wrt
+        )
+
+    def to_global(
+        self, host_batch: dict[str, np.ndarray], keys: tuple[str, ...] = BATCH_KEYS
+    ) -> dict[str, jax.Array]:
+        """This host's rows of `keys` as global arrays over the mesh."""
+        return _global_batch(host_batch, self.mesh, keys)
+
+    def train(
+        self,
+        opt: nnx.Optimizer,
+        step: Any,
+        measure: evaluate.Measure,
+        summarize: evaluate.Summarize,
+    ) -> Result:
+        """run_steps with `step`, evaluating spec.eval's held-out data by `measure` and
+        `summarize` (see evaluate.build)."""
+        spec = self.job.spec
+        evaluation = evaluate.build(
+            spec, self.tokenizer, self.held_out, self.process, measure, summarize, self.policy.model
+        )
+        return run_steps(
+            self.job,
+            self.policy,
+            opt,
+            self.loader,
+            step,
+            mesh=self.mesh,
+            scratch=self.scratch,
+            show_bar=self.show_bar,
+            stop=self.stop,
+            evaluation=evaluation,
+            started=self.started,
+        )
+
+
+def setup_run(
+    job: PostTrainJob, process: ProcessInfo, *, show_bar: bool, stop: StopFlag | None
+) -> RunSetup:
+    """Load what every technique trains from: spec.model (with spec.lora) on the mesh,
+    its tokenizer, and this host's training loader and held-out data."""
+    spec = job.spec
+    started = (time.monotonic(), time.time())
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
     policy = load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
     loader, held_out = build_data(spec, tokenizer, process)
-    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
-    step_fn = sft.make_train_step(policy.wrt, spec.training.gradient_accumulation)
-    measure, summarize = evaluate.token_loss(policy.model, lambda b: _global_batch(b, mesh))
-    evaluation = evaluate.build(
-        spec, tokenizer, held_out, process, measure, summarize, policy.model
-    )
-
-    def step(host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
-        loss, grad_norm, _, seen = step_fn(policy.model, opt, _global_batch(host_batch, mesh))
-        return {"loss": loss, "grad_norm": grad_norm, "tokens": seen}
-
-    return run_steps(
+    return RunSetup(
         job,
+        process,
+        show_bar,
+        stop if stop is not None else StopFlag(),
+        scratch,
+        mesh,
         policy,
-        opt,
+        tokenizer,
         loader,
-        step,
-        mesh=mesh,
-        scratch=scratch,
-        show_bar=show_bar,
-        stop=stop,
-        evaluation=evaluation,
+        held_out,
+        started,
     )
 
 
@@ -329,6 +395,7 @@ def run_steps(
     show_bar: bool,
     stop: StopFlag,
     evaluation: evaluate.Evaluation | None = None,
+    started: tuple[float, float] | None = None,
 ) -> Result:
     """The loop every technique shares: resume from the newest checkpoint (params,
     optimizer state, data position), call `step(host_batch, index)` for each optimizer
@@ -338,9 +405,13 @@ def run_steps(
     `step` returns a dict of metrics: 'loss' (required), 'tokens' (tokens processed, for
     tokens/s; optional) and any other scalars, which go to TensorBoard as train/<name>.
     Values may be device arrays; they are read back only on log steps. `evaluation`
-    (spec.eval) runs when due, before that step's checkpoint.
+    (spec.eval) runs when due, before that step's checkpoint. Wall time is accounted
+    by `goodput` from `started` (monotonic, wall clock; default: now) over every attempt.
     """
     spec = job.spec
+    started = started or (time.monotonic(), time.time())
+    ledger = _read_goodput(spec)
+    clock = goodput.Clock(ledger, time.monotonic, compile_seconds, started=started[0])
     model, wrt = policy.model, policy.wrt
     is_main = jax.process_index() == 0
     schedule = optim.learning_rate_schedule(spec.training)
@@ -358,6 +429,7 @@ def run_steps(
         loader.set_state(restored.data_state)
         result.step = result.resumed_from = restored.step
         log.info("resumed from checkpoint step %d", restored.step)
+    ledger.resume(result.step, started[1])
 
     tensorboard = OutputDir(spec.output.uri, "tensorboard", scratch)
     total = spec.training.steps
@@ -368,6 +440,7 @@ def run_steps(
         str(tensorboard.local),
         StatusWriter.from_env() if is_main else None,
         show_bar,
+        goodput=ledger,
     )
     best = None
     if evaluation is not None:
@@ -375,11 +448,17 @@ def run_steps(
         best = best_checkpoint(spec)
     metrics: dict[str, float] = {}
     window_start, window_tokens = time.monotonic(), 0
+    recorded = time.monotonic()
+    clock.charge("startup")
     with jax.set_mesh(mesh):
         if evaluation is not None and result.step == 0 and evaluation.every_steps:
             result.evals[0] = evaluation.evaluate(0, progress)  # where the curve starts
+            clock.charge("eval")
+        loss: Any = None
         while result.step < total and not stop:
-            out = dict(step(next(loader), result.step))
+            host_batch = next(loader)
+            clock.data(device_busy=loss is not None and not _is_ready(loss))
+            out = dict(step(host_batch, result.step))
             loss = out.pop("loss")
             result.step += 1
             window_tokens += int(out.pop("tokens", 0))
@@ -394,12 +473,25 @@ def run_steps(
                 }
                 result.losses[result.step] = metrics["loss"]
                 window_start, window_tokens = time.monotonic(), 0
+            eval_now = evaluation is not None and evaluation.due(result.step, total)
+            save_now = (
+                result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop
+            )
+            if eval_now or save_now:  # the step's own time is the step's, not theirs
+                jax.block_until_ready(loss)
+            clock.step(result.step)
             progress.step(result.step, metrics, log_now)
-            if evaluation is not None and evaluation.due(result.step, total):
+            if log_now and time.monotonic() - recorded >= goodput.RECORD_INTERVAL_S:
+                clock.charge("other")
+                _write_goodput(spec, ledger, is_main)
+                recorded = time.monotonic()
+            clock.charge("other")
+            if eval_now:
                 scores = result.evals[result.step] = evaluation.evaluate(result.step, progress)
                 if best is not None:
                     best.offer(result.step, scores, _trainable(model, wrt, opt), loader.get_state())
-            if result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop:
+                clock.charge("eval")
+            if save_now:
                 checkpoints.save(
                     result.step,
                     _trainable(model, wrt, opt),
@@ -408,7 +500,13 @@ def run_steps(
                 )
                 progress.checkpointed(result.step)
                 tensorboard.sync()
+                ledger.checkpointed(result.step)
+                clock.charge("checkpoint")
+                _write_goodput(spec, ledger, is_main)
+                recorded = time.monotonic()
+                clock.charge("checkpoint")
     checkpoints.close()
+    clock.charge("checkpoint")
     result.stopped_early = result.step < total
     if not result.stopped_early:
         if str(spec.output.export_from) == "best" and best is not None:
@@ -418,11 +516,67 @@ def run_steps(
         result.export_dir = _export(job, model, policy.info, scratch)
     if best is not None:
         best.close()
+    clock.charge("other")
+    _write_goodput(spec, ledger, is_main)
+    result.goodput = ledger.summary()
     progress.close(result.step, metrics)
     tensorboard.sync()
     if not result.stopped_early and is_main:
         _write_summary(spec, result, metrics)
     return result
+
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compiled = [0.0]  # seconds JAX spent compiling in this process (compile_seconds)
+
+
+def _count_compile(event: str, duration: float, **kwargs: Any) -> None:
+    if event in _COMPILE_EVENTS:
+        _compiled[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_seconds() -> float:
+    """Seconds JAX spent tracing, lowering and compiling in this process so far."""
+    return _compiled[0]
+
+
+def _is_ready(value: Any) -> bool:
+    """Whether a step's output is computed (host values always are)."""
+    is_ready = getattr(value, "is_ready", None)
+    return bool(is_ready()) if callable(is_ready) else True
+
+
+def _read_goodput(spec: Any) -> goodput.Ledger:
+    """The goodput record of earlier attempts of this run under output.uri (a fresh
+    ledger when there is none, or it is unreadable: accounting never stops a run)."""
+    path = storage.join(spec.output.uri, goodput.RECORD)
+    try:
+        text = storage.read_text(path)
+    except (OSError, ValueError):
+        return goodput.Ledger()
+    try:
+        return goodput.Ledger.from_json(text)
+    except ValueError as e:
+        log.warning("%s: %s; goodput restarts from this attempt", path, e)
+        return goodput.Ledger()
+
+
+def _write_goodput(spec: Any, ledger: goodput.Ledger, is_main: bool) -> None:
+    """Record the ledger beside the checkpoints (process 0; atomic replace)."""
+    if not is_main:
+        return
+    ledger.last_seen = time.time()
+    try:
+        storage.write_text(storage.join(spec.output.uri, goodput.RECORD), ledger.to_json())
+    except OSError as e:  # best effort, like status
+        log.warning("cannot record goodput: %s", e)
 
 
 def gcs_locations(spec: Any) -> list[tuple[str, str]]:
@@ -448,6 +602,7 @@ def _write_summary(spec: Any, result: Result, metrics: dict[str, float]) -> None
         "totalSteps": spec.training.steps,
         "loss": metrics.get("loss"),
         "export": result.export_dir,
+        "goodput": result.goodput,
         "finishedAt": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     storage.write_text(storage.join(spec.output.uri, SUMMARY), json.dumps(summary, indent=2) + "\n")

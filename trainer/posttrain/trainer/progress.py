@@ -13,7 +13,10 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from posttrain.trainer.goodput import Ledger
 
 log = logging.getLogger("posttrain.progress")
 
@@ -81,6 +84,7 @@ class Progress:
         status: StatusWriter | None = None,
         show_bar: bool = True,
         status_interval_s: float = 10.0,
+        goodput: Ledger | None = None,
     ):
         self.total, self.is_main = total_steps, is_main
         self.status = status if is_main else None
@@ -89,6 +93,7 @@ class Progress:
         self._start_time, self._start_step = time.monotonic(), start_step
         self.last_checkpoint_step: int | None = None
         self.last_eval: dict[str, Any] = {}
+        self.goodput = goodput
         self.writer = None
         self.bar = None
         if not is_main:
@@ -135,6 +140,7 @@ class Progress:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"train/{key}", value, step)
+            self._goodput_scalars(step)
         now = time.monotonic()
         if self.status is not None and (
             now - self._last_status >= self.status_interval_s or step == self.total
@@ -155,7 +161,14 @@ class Progress:
         if self.last_checkpoint_step is not None:
             out["lastCheckpointStep"] = self.last_checkpoint_step
         out.update(self.last_eval)
+        if self.goodput is not None and self.goodput.total() > 0:
+            out.update(self.goodput.status())
         return out
+
+    def _goodput_scalars(self, step: int) -> None:
+        if self.goodput is not None and self.goodput.total() > 0:
+            for key, value in self.goodput.scalars().items():
+                self.writer.add_scalar(f"goodput/{key}", value, step)
 
     def evaluated(
         self, step: int, metrics: dict[str, float], samples: list[tuple[str, str]]
@@ -189,6 +202,7 @@ class Progress:
         if self.status is not None:
             self.status.patch(self._progress(step, metrics))
         if self.writer is not None:
+            self._goodput_scalars(step)
             self.writer.close()
         if self.bar is not None:
             self.bar.close()
