@@ -101,13 +101,20 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
     assert progress["evalStep"] == 6 and progress["evalLoss"] > 0
     assert set(progress["evalMetrics"]) == {"loss", "perplexity"}
     assert progress["evalMetrics"]["loss"] == progress["evalLoss"]
+    # Goodput: the fraction and its parts over the run's one attempt (adding up to 1).
+    assert 0 < progress["goodput"] < 1 and progress["lostSteps"] == 0
+    parts = progress["goodputBreakdown"]
+    assert parts["productive"] == progress["goodput"]
+    assert sum(parts.values()) == pytest.approx(1.0, abs=1e-3) and parts["compile"] > 0
     columns = "-o=custom-columns=STEP:.status.progress.step,TOTAL:.status.progress.totalSteps"
     out = apiserver.kubectl("get", "ptj", "progress", "-n", namespace, columns).stdout.split()
     assert out == ["STEP", "TOTAL", "6", "6"]
     wide = apiserver.kubectl("get", "ptj", "progress", "-n", namespace, "-o", "wide").stdout
     header, row = wide.splitlines()[:2]
     start = header.index("EVAL")  # empty cells are blank: read the column where it is
-    end = header.index("JOBSET")
+    end = header.index("GOODPUT")
     assert float(row[start:end]) == pytest.approx(progress["evalLoss"], rel=1e-3)
+    goodput = row[end : header.index("JOBSET")]
+    assert float(goodput) == pytest.approx(progress["goodput"], abs=1e-3)
     token = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
     assert token not in json.dumps(status)  # no credential leaked into status
