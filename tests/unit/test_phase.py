@@ -275,8 +275,22 @@ UNSCHEDULABLE = {
     "not helpful for scheduling.",
 }
 GATED = {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}
+# What a v1.36 kubelet writes: the pull's error, then a back-off wrapping it, and again.
+PULL_ERROR = (
+    'rpc error: code = NotFound desc = failed to pull and unpack image "docker.io/library/bad:tag"'
+    ": not found"
+)
+ERR_PULL = container(
+    {"waiting": {"reason": "ErrImagePull", "message": PULL_ERROR}},
+    image="bad:tag",
+)
 PULL = container(
-    {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "bad:tag"'}},
+    {
+        "waiting": {
+            "reason": "ImagePullBackOff",
+            "message": f'Back-off pulling image "bad:tag": ErrImagePull: {PULL_ERROR}',
+        }
+    },
     image="bad:tag",
 )
 OOM = container(
@@ -330,11 +344,20 @@ POD_TABLE = [
     (
         "image cannot be pulled",
         jobset(active=1),
+        [pod(containers=[ERR_PULL])],
+        None,
+        "Pending",
+        "ErrImagePull",
+        f"container trainer of pod j-slice-0-0-x cannot pull image 'bad:tag': {PULL_ERROR}",
+    ),
+    (
+        "image pull backing off: the same reason and message",
+        jobset(active=1),
         [pod(containers=[PULL])],
         None,
         "Pending",
-        "ImagePullBackOff",
-        "container trainer of pod j-slice-0-0-x cannot pull image 'bad:tag': Back-off",
+        "ErrImagePull",
+        f"container trainer of pod j-slice-0-0-x cannot pull image 'bad:tag': {PULL_ERROR}",
     ),
     (
         "container starting",
@@ -692,3 +715,24 @@ def test_priority_class_missing_only_matters_to_kueue():
     # The user's suspend still wins.
     js = classed(wpc="urgent")
     assert phase_from(js, True, [], without_workload(js, set(), set())).phase == "Suspended"
+
+
+@pytest.mark.parametrize(
+    "message,detail",
+    [
+        ('Back-off pulling image "bad:tag": ErrImagePull: not found', "not found"),
+        (
+            'Back-off pulling image "r/x:1": RegistryUnavailable: image pull failed',
+            "image pull failed",
+        ),
+        ('Back-off pulling image "bad:tag"', ""),  # no earlier error kept (kubelet restarted)
+    ],
+)
+def test_image_pull_back_off_keeps_the_pull_error(message, detail):
+    cs = container({"waiting": {"reason": "ImagePullBackOff", "message": message}}, image="i")
+    cause = pod_state(pod(containers=[cs])).cause
+    head = "container trainer of pod j-slice-0-0-x cannot pull image 'i'"
+    assert (cause.reason, cause.message) == (
+        "ErrImagePull",
+        f"{head}: {detail}" if detail else head,
+    )

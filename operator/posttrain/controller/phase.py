@@ -13,6 +13,7 @@ the scheduler's PodScheduled condition, the kubelet's container states.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +33,15 @@ JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 # Container waiting reasons that are only steps of a normal start.
 STARTING = {"ContainerCreating", "PodInitializing"}
+# The kubelet's ImagePullBackOff message: `Back-off pulling image "IMAGE": ERROR: MESSAGE`
+# of the last pull (ERROR ErrImagePull, RegistryUnavailable, ...).
+BACK_OFF = re.compile(r'^Back-off pulling image "[^"]*"(: [A-Za-z]+: )?')
 # Reasons a user has to act on: their transitions are Warning Events.
 WARNINGS = {
     "Unschedulable",
     "OOMKilled",
     "CrashLoopBackOff",
     "ErrImagePull",
-    "ImagePullBackOff",
     "InvalidImageName",
     "CreateContainerConfigError",
     "CreateContainerError",
@@ -129,6 +132,11 @@ def _container_cause(pod_name: str, spec: dict[str, Any], cs: dict[str, Any]) ->
         return None
     detail = waiting.get("message") or ""
     if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+        if reason == "ImagePullBackOff":
+            # The kubelet alternates ErrImagePull and ImagePullBackOff while it retries; the
+            # back-off's message wraps the pull's error. One reason and the pull's error
+            # alone keep the status (and its Events) still.
+            reason, detail = "ErrImagePull", BACK_OFF.sub("", detail, count=1)
         text = f"container {name} of pod {pod_name} cannot pull image {cs.get('image')!r}"
         return Cause(reason, f"{text}: {detail}" if detail else text, 1)
     if reason == "CrashLoopBackOff":
