@@ -34,9 +34,13 @@ def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array
     """Summed NLL over target tokens, and the number of target tokens (the forward in the
     model's compute dtype, the loss in float32)."""
     ids = batch["input_ids"]
-    logits, _ = models.compute_view(model)(
-        ids, batch["positions"], None, attention_mask(batch["segment_ids"])
-    )
+    mask, extra = attention_mask(batch["segment_ids"]), {}
+    if "images" in batch:  # Gemma 3 vision: the images' soft tokens see each other
+        from posttrain.trainer import vision
+
+        mask = mask | vision.image_blocks(ids, vision.image_token_id(model))
+        extra["images"] = batch["images"]
+    logits, _ = models.compute_view(model)(ids, batch["positions"], None, mask, **extra)
     logits = logits[:, :-1].astype(jnp.float32)
     targets = ids[:, 1:]
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)

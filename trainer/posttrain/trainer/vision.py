@@ -302,3 +302,18 @@ def image_token_id(model: nnx.Module) -> int:
     if vc is None:
         raise ValueError("spec.data.columns.images: the model was loaded without a vision tower")
     return int(vc.soft_token_placeholder)
+
+
+def full_finetune_params(train_tower: bool = False) -> Any:
+    """The nnx filter of what a full fine-tune of a vision model trains: everything but the
+    vision tower (the projector and the language model) unless ``train_tower``. Tunix's
+    SigLIP stops gradients at its output; training the tower lifts that
+    (``unfreeze_tower``)."""
+    if train_tower:
+        return nnx.Param
+    return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_encoder")))
+
+
+def unfreeze_tower(model: nnx.Module) -> None:
+    """Let gradients reach the vision tower (Tunix stops them at its output)."""
+    model.vision_encoder.apply_stop_gradient = False
