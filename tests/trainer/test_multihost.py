@@ -8,6 +8,7 @@ over the slices, each holding a whole model, and match the 1-process run too."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -33,7 +34,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8) -> Path:
+def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8, **extra: dict) -> Path:
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",
@@ -50,6 +51,7 @@ def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8) -> 
             },
             "checkpoint": {"everySteps": 3},
             "output": {"uri": str(out)},
+            **extra,
         },
     }
     path = tmp / f"{storage.basename(str(out))}.yaml"
@@ -135,6 +137,15 @@ def _assert_same_losses(single: Path, multi: Path) -> None:
     assert a[6] < a[1]
 
 
+def _assert_same_evaluations(single: Path, multi: Path) -> None:
+    a, b = (json.loads((out / "eval.json").read_text()) for out in (single, multi))
+    assert [e["step"] for e in a] == [e["step"] for e in b] == [6]
+    for x, y in zip(a, b, strict=True):
+        assert y["metrics"]["loss"] == pytest.approx(x["metrics"]["loss"], rel=1e-4)
+        assert len(x["samples"]) == 2 and all(s["completion"] for s in x["samples"])
+        assert y["samples"] == x["samples"]
+
+
 def _assert_resumes_from_step_3(out: str, start) -> None:
     """Without step 6 and the export, the hosts `start` resume from step 3 and export the
     same adapter, bit for bit."""
@@ -148,13 +159,16 @@ def _assert_resumes_from_step_3(out: str, start) -> None:
 
 def test_two_slices_match_one(tmp_path: Path):
     model = make_tiny_llama(tmp_path / "model")
-    single = _job(tmp_path, model, tmp_path / "single")
-    sliced = _job(tmp_path, model, tmp_path / "sliced")
+    # Held-out evaluation with sample generations: the 2 hosts decode together.
+    evaluation = {"eval": {"fraction": 0.1, "maxBatches": 1, "samples": 2, "maxNewTokens": 4}}
+    single = _job(tmp_path, model, tmp_path / "single", **evaluation)
+    sliced = _job(tmp_path, model, tmp_path / "sliced", **evaluation)
     logs = _finish([_run(single, _env(4)), *_two_hosts(sliced, slices=2)])
     assert "mesh dp=1 x fsdp=4 x tp=1" in logs[0]
     for i, log in enumerate(logs[1:]):  # data parallel over the 2 slices, FSDP inside each
         assert f"process {i} of 2" in log and "mesh dp=2 x fsdp=2 x tp=1" in log, log
     _assert_same_losses(tmp_path / "single", tmp_path / "sliced")
+    _assert_same_evaluations(tmp_path / "single", tmp_path / "sliced")
     # Each slice restores a whole replica of the checkpoint.
     _assert_resumes_from_step_3(str(tmp_path / "sliced"), lambda: _two_hosts(sliced, slices=2))
 

@@ -18,7 +18,8 @@ and a `summarize` (sums over all batches -> metrics):
 Metrics go to TensorBoard as eval/<name>, to eval.json under output.uri (the history,
 one entry per evaluation) and to status.progress (evalStep, evalLoss, evalMetrics).
 With spec.eval.samples, greedy generations for the first held-out prompts go to
-TensorBoard as text (single-host runs: the decoding loop runs on one host's devices).
+TensorBoard as text and eval.json. With several hosts every host decodes the same
+prompts together, over the params where they are (`models.greedy_generate`).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def build(
     )
     prompts: list[str] = []
     generate = None
-    if settings.samples and process.num_processes == 1:
+    if settings.samples:
         prompts = data.generation_prompts(spec, tokenizer, held_out, settings.samples)
         generate = _greedy(model, tokenizer, settings.max_new_tokens)
     return Evaluation(settings.every_steps, batches, measure, summarize, prompts, generate)

@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def causal_mask(input_mask: jax.Array) -> jax.Array:
@@ -96,25 +98,56 @@ def greedy_generate(
     ``tokenizer`` (a ``tokenizers.Tokenizer`` or anything with ``decode``) only decodes
     the result; pass None to get ids alone. Stops at ``eos_token_ids``.
     """
-    prompt = jnp.asarray(prompt_ids, jnp.int32)[None]
+    put = _beside_params(model)
+    prompt = np.asarray(prompt_ids, np.int32)[None]
     length = prompt.shape[1]
     size = length + max_new_tokens
-    cache = init_cache(model, 1, size)
-    slots = jnp.arange(size)
+    cache = put(init_cache(model, 1, size))
+    slots = np.arange(size)
     step = nnx.cached_partial(_greedy_step, model)
-    mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
-    token, cache = step(prompt, jnp.arange(length, dtype=jnp.int32)[None], cache, mask)
+    mask = (slots[None, :] <= np.arange(length)[:, None])[None]
+    token, cache = step(*put((prompt, np.arange(length, dtype=np.int32)[None])), cache, put(mask))
     stop = set(eos_token_ids)
     out: list[int] = []
     for i in range(max_new_tokens):
-        tok = int(token[0])
+        tok = int(_on_host(token)[0])
         out.append(tok)
         if tok in stop or i == max_new_tokens - 1:
             break
         pos = length + i
         mask = (slots <= pos)[None, None, :]
-        token, cache = step(token[:, None], jnp.full((1, 1), pos, jnp.int32), cache, mask)
+        tokens, positions, mask = put(
+            (_on_host(token)[:, None], np.full((1, 1), pos, np.int32), mask)
+        )
+        token, cache = step(tokens, positions, cache, mask)
     text = None
     if tokenizer is not None:
         text = tokenizer.decode([t for t in out if t not in stop])
     return Generation(out, text)
+
+
+def _beside_params(model: nnx.Module):
+    """Puts host values (a pytree) where the model's params are. One process: as they are.
+    Params spanning several processes (a multi-host mesh): replicated over the params'
+    mesh, each process giving its own copy (every process decodes the same prompt), so
+    one jit runs over every host's devices."""
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    sharding = getattr(leaf, "sharding", None)
+    if jax.process_count() == 1 or not isinstance(sharding, NamedSharding):
+        return lambda tree: tree
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+
+    def global_array(value: Any) -> jax.Array:
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+
+    return lambda tree: jax.tree.map(global_array, tree)
+
+
+def _on_host(value: jax.Array) -> np.ndarray:
+    """A (possibly multi-host) array's whole value on this host."""
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
