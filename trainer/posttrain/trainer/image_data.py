@@ -140,3 +140,27 @@ class ImageSftRows:
             "positions": pos,
             "images": pix,
         }
+
+
+def rows_from_spec(spec: Any, tokenizer: data.Tokenizer, ds: data.RawDataset) -> ImageSftRows:
+    """The rows of a PostTrainJobSpec with spec.data.columns.images: the vision settings
+    and the image processor come from the model directory the tokenizer was read from."""
+    from posttrain.trainer import models, vision
+
+    config = models.read_hf_config(tokenizer.origin)
+    family = models.detect_family(tokenizer.origin)
+    vi = vision.require_vision_info(config, family, tokenizer.origin)
+    if spec.data.packing:
+        raise data.DataError(
+            "spec.data.packing: rows with images are not packed; set packing to false"
+        )
+    return ImageSftRows(
+        ds,
+        tokenizer,
+        vi,
+        images.processor_for(tokenizer.origin, vi.image_size),
+        columns=spec.data.columns,
+        max_length=spec.data.max_length,
+        completion_only_loss=spec.data.completion_only_loss,
+        chat_template=spec.data.chat_template,
+    )

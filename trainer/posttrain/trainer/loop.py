@@ -33,7 +33,7 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import data, evaluate, goodput, lora, models, optim, sft, storage
+from posttrain.trainer import data, evaluate, goodput, lora, models, optim, sft, storage, vision
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
@@ -267,6 +267,8 @@ class RunSetup:
         self, host_batch: dict[str, np.ndarray], keys: tuple[str, ...] = BATCH_KEYS
     ) -> dict[str, jax.Array]:
         """This host's rows of `keys` as global arrays over the mesh."""
+        if keys is BATCH_KEYS and "images" in host_batch:  # multimodal SFT
+            keys = (*keys, "images")
         return _global_batch(host_batch, self.mesh, keys)
 
     def train(
@@ -363,8 +365,9 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
         mesh=mesh,
         dtype=compute if spec.lora else jnp.float32,
         compute_dtype=compute,
+        vision=spec.data.columns.images is not None,
     )
-    wrt: Any = nnx.Param
+    wrt: Any = vision.full_finetune_params() if info.vision else nnx.Param
     if spec.lora:
         model = lora.apply_lora(
             model,

@@ -306,6 +306,10 @@ def build_rows(spec: Any, tokenizer: Tokenizer, ds: RawDataset | None = None) ->
         )
     if technique == "grpo":
         return PromptRows(ds, tokenizer, columns=data.columns, chat_template=data.chat_template)
+    if getattr(data.columns, "images", None):  # multimodal SFT (Gemma 3 vision)
+        from posttrain.trainer import image_data
+
+        return image_data.rows_from_spec(spec, tokenizer, ds)
     examples = tokenize_sft(
         ds,
         tokenizer,
