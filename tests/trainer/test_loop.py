@@ -23,12 +23,12 @@ import pytest
 import yaml
 from safetensors.numpy import load
 from tb_events import scalars, texts
+from tiny_job import run_job, tiny_job
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
 from posttrain.trainer import data, models, storage
-from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.loop import export_checkpoint, peft_base_model_name, train
+from posttrain.trainer.loop import export_checkpoint, peft_base_model_name
 from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
@@ -44,32 +44,15 @@ def model_dir(tmp_path_factory) -> Path:
 def job_doc(
     model_dir: Path, out: Path | str, *, steps=12, lora=True, every=4, logEverySteps=2
 ) -> dict:
-    spec = {
-        "model": {"source": str(model_dir), "dtype": "float32"},
-        "data": {"source": str(DATA), "maxLength": 64},
-        "training": {
-            "steps": steps,
-            "batchSize": 8,
-            "learningRate": 0.01,
-            "logEverySteps": logEverySteps,
-        },
-        "checkpoint": {"everySteps": every, "keep": 3},
-        "output": {"uri": str(out)},
-    }
-    if lora:
-        spec["lora"] = {"rank": 4, "alpha": 8}
-    return {
-        "apiVersion": "posttrain.dev/v1alpha1",
-        "kind": "PostTrainJob",
-        "metadata": {"name": "tiny"},
-        "spec": spec,
-    }
-
-
-def run_inprocess(doc: dict):
-    job, errors = validate(doc)
-    assert not errors, errors
-    return train(job, ProcessInfo(None, 1, 0), show_bar=False)
+    return tiny_job(
+        model_dir,
+        DATA,
+        out,
+        steps=steps,
+        every=every,
+        lora=lora,
+        training={"logEverySteps": logEverySteps},
+    )
 
 
 def adapter(out: Path | str) -> dict[str, np.ndarray]:
@@ -95,7 +78,7 @@ def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> 
 def reference(model_dir, tmp_path_factory):
     """An uninterrupted 12-step LoRA run that other tests compare against."""
     out = tmp_path_factory.mktemp("reference") / "out"
-    result = run_inprocess(job_doc(model_dir, out))
+    result = run_job(job_doc(model_dir, out))
     return out, result
 
 
@@ -156,8 +139,8 @@ def test_steps_lost_to_crashes_are_counted_once(model_dir, tmp_path, monkeypatch
     doc["spec"]["checkpoint"]["async"] = False  # a crash never races a save
     for crash in (7, 10):
         with pytest.raises(RuntimeError, match=f"after step {crash}"):
-            run_inprocess(doc)
-    result = run_inprocess(doc)
+            run_job(doc)
+    result = run_job(doc)
     assert result.resumed_from == 8 and result.step == 12
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())["goodput"]
     assert summary["attempts"] == 3 and summary["lostSteps"] == 3
@@ -170,7 +153,7 @@ def test_steps_lost_to_crashes_are_counted_once(model_dir, tmp_path, monkeypatch
 def test_a_finished_run_run_again_trains_and_writes_nothing(model_dir, reference, caplog):
     out, first = reference
     before = {f: f.stat().st_mtime_ns for f in out.rglob("*")}
-    again = run_inprocess(job_doc(model_dir, out))
+    again = run_job(job_doc(model_dir, out))
     assert again.already_finished and again.step == 12 and again.export_dir == first.export_dir
     assert {f: f.stat().st_mtime_ns for f in out.rglob("*")} == before
     assert f"{out} already finished at step 12" in caplog.text
@@ -183,7 +166,7 @@ def test_eval_is_measured_and_does_not_change_training(model_dir, reference, tmp
     out = tmp_path / "out"
     doc = job_doc(model_dir, out)
     doc["spec"]["eval"] = {"source": str(held_out), "everySteps": 4, "samples": 1}
-    result = run_inprocess(doc)
+    result = run_job(doc)
     # Evaluating reads the model and draws nothing: the same adapter bit for bit.
     assert_bitwise_equal(adapter(out), adapter(reference[0]))
     assert sorted(result.evals) == [0, 4, 8, 12]  # 0: before the first step
@@ -215,7 +198,7 @@ def test_eval_fraction_holds_rows_out_of_training(model_dir, tmp_path):
     out = tmp_path / "out"
     doc = job_doc(model_dir, out, steps=4, lora=True)
     doc["spec"]["eval"] = {"fraction": 0.1, "samples": 0}
-    result = run_inprocess(doc)
+    result = run_job(doc)
     assert sorted(result.evals) == [4] and np.isfinite(result.evals[4]["loss"])
 
 
@@ -223,7 +206,7 @@ def test_too_little_held_out_data_names_the_field(model_dir, tmp_path):
     doc = job_doc(model_dir, tmp_path / "out", steps=2)
     doc["spec"]["eval"] = {"fraction": 0.01}  # 3 rows, fewer than batchSize 8
     with pytest.raises(data.DataError, match=r"spec.eval: the held-out data has 3 rows"):
-        run_inprocess(doc)
+        run_job(doc)
 
 
 def test_export_a_checkpoint_without_training(model_dir, reference, tmp_path):
@@ -252,7 +235,7 @@ def test_keep_best_keeps_and_exports_the_best_held_out_step(model_dir, tmp_path)
     doc["spec"]["eval"] = {"source": str(held_out), "everySteps": 4, "samples": 0}
     doc["spec"]["checkpoint"]["keepBest"] = "loss"
     doc["spec"]["output"]["exportFrom"] = "best"
-    result = run_inprocess(doc)
+    result = run_job(doc)
     losses = {s: m["loss"] for s, m in result.evals.items() if s > 0}
     best = min(losses, key=losses.get)
     assert committed_steps(out) == [4, 8, 12]  # the newest, as without keepBest
@@ -282,24 +265,24 @@ def test_peft_base_model_name_is_what_from_pretrained_takes(source, name):
 
 def test_resume_in_process_is_bitwise_identical(model_dir, reference, tmp_path):
     out = tmp_path / "out"
-    first = run_inprocess(job_doc(model_dir, out, steps=12, every=4) | {})
+    first = run_job(job_doc(model_dir, out, steps=12, every=4) | {})
     assert first.step == 12
     # Drop the last checkpoint and the export, as if the run had died after step 8.
     for path in glob.glob(str(out / "checkpoints" / "12")) + [str(out / "hf")]:
         subprocess.run(["rm", "-rf", path], check=True)
-    again = run_inprocess(job_doc(model_dir, out, steps=12, every=4))
+    again = run_job(job_doc(model_dir, out, steps=12, every=4))
     assert again.resumed_from == 8 and again.step == 12
     assert_bitwise_equal(adapter(out), adapter(reference[0]))
 
 
 def test_corrupt_latest_checkpoint_is_skipped(model_dir, reference, tmp_path, caplog):
     out = tmp_path / "out"
-    run_inprocess(job_doc(model_dir, out))
+    run_job(job_doc(model_dir, out))
     for f in (out / "checkpoints" / "12").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\0garbage")
     subprocess.run(["rm", "-rf", str(out / "hf")], check=True)
-    again = run_inprocess(job_doc(model_dir, out))
+    again = run_job(job_doc(model_dir, out))
     assert again.resumed_from == 8
     assert "checkpoints/12 is unreadable" in caplog.text
     assert_bitwise_equal(adapter(out), adapter(reference[0]))
@@ -379,7 +362,7 @@ LONG = {"steps": 150, "every": 5, "logEverySteps": 10}
 def long_reference(model_dir, tmp_path_factory):
     """An uninterrupted run long enough that a signal lands mid-way."""
     out = tmp_path_factory.mktemp("long") / "out"
-    run_inprocess(job_doc(model_dir, out, **LONG))
+    run_job(job_doc(model_dir, out, **LONG))
     return out
 
 
@@ -424,7 +407,7 @@ def test_checkpoints_and_outputs_on_gcs(model_dir, reference, gcs, caplog):
     TensorBoard and the export are uploaded; a resume skips a partial step (no
     commit_success.txt) and a corrupt one, and still ends bitwise identical."""
     out = f"{gcs}/tiny"
-    first = run_inprocess(job_doc(model_dir, out))
+    first = run_job(job_doc(model_dir, out))
     assert first.step == 12 and first.export_dir == f"{out}/hf"
     assert committed_steps(out) == [4, 8, 12]
     assert storage.list_uri(f"{out}/tensorboard")
@@ -437,7 +420,7 @@ def test_checkpoints_and_outputs_on_gcs(model_dir, reference, gcs, caplog):
     for f in storage.list_uri(f"{out}/checkpoints/8", recursive=True):
         if "/state/" in f and not f.endswith("commit_success.txt"):
             storage.write_bytes(f, b"\0garbage")
-    again = run_inprocess(job_doc(model_dir, out))
+    again = run_job(job_doc(model_dir, out))
     assert again.resumed_from == 4 and again.step == 12
     assert "checkpoints/8 is unreadable" in caplog.text
     assert storage.exists(f"{out}/checkpoints/8.unreadable/state")
@@ -449,7 +432,7 @@ def test_full_finetune_exports_merged_model_that_loads(model_dir, tmp_path):
     from posttrain.trainer import models
 
     out = tmp_path / "out"
-    result = run_inprocess(job_doc(model_dir, out, steps=4, lora=False, every=4))
+    result = run_job(job_doc(model_dir, out, steps=4, lora=False, every=4))
     assert result.export_dir == str(out / "hf")
     tuned, _ = models.load_model(out / "hf")
     base, _ = models.load_model(model_dir)
@@ -483,7 +466,7 @@ def test_hf_source_fetches_only_what_the_trainer_reads(monkeypatch, tmp_path):
 
     import huggingface_hub
 
-    from posttrain.trainer import loop
+    from posttrain.trainer import sources
 
     calls = []
 
@@ -492,9 +475,9 @@ def test_hf_source_fetches_only_what_the_trainer_reads(monkeypatch, tmp_path):
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert loop.local_model_dir("hf://org/model", tmp_path) == str(tmp_path)
+    assert sources.local_model_dir("hf://org/model", tmp_path) == str(tmp_path)
     ((repo, kwargs),) = calls
-    assert repo == "org/model" and kwargs["cache_dir"] == str(loop.HF_CACHE)
+    assert repo == "org/model" and kwargs["cache_dir"] == str(sources.HF_CACHE)
 
     def fetched(name):
         return any(fnmatch.fnmatch(name, p) for p in kwargs["allow_patterns"])
@@ -509,14 +492,14 @@ def test_hf_source_revision(monkeypatch, tmp_path):
     """hf://org/name@revision downloads that branch, tag or commit."""
     import huggingface_hub
 
-    from posttrain.trainer import loop
+    from posttrain.trainer import sources
 
     calls = []
     monkeypatch.setattr(
         huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append((repo, kw)) or "d"
     )
-    loop.local_model_dir("hf://org/model@v1.0", tmp_path)
-    loop.local_model_dir("hf://org/model", tmp_path)
+    sources.local_model_dir("hf://org/model@v1.0", tmp_path)
+    sources.local_model_dir("hf://org/model", tmp_path)
     assert [(r, kw["revision"]) for r, kw in calls] == [("org/model", "v1.0"), ("org/model", None)]
 
 

@@ -427,11 +427,11 @@ def test_gcs_safetensors_reads_only_the_rows_asked_for(gcs, tmp_path):
 def test_load_model_from_gcs_fetches_blocks_not_files(gcs, tmp_path, caplog):
     """A gs:// model source: the small files are copied, the weights read in place (ranged
     reads of each block, none twice), and the model equals the one loaded from disk."""
-    from posttrain.trainer import loop, storage
+    from posttrain.trainer import sources, storage
 
     storage.upload_dir(FIXTURES / "llama3", f"{gcs}/llama3")
     with caplog.at_level("INFO", logger="posttrain.trainer.models"):
-        model, info = loop.load_model_source(f"{gcs}/llama3", tmp_path)
+        model, info = sources.load_model_source(f"{gcs}/llama3", tmp_path)
     fetched, total = map(int, re.search(r"fetched (\d+) of the (\d+) bytes", caplog.text).groups())
     assert 0 < fetched <= total
     copied = {p.name for p in Path(info.model_dir).iterdir()}

@@ -29,9 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import evaluate, loop, models, sft
-from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer import evaluate, loop, models, sft, sources
 
 
 def token_losses(
@@ -129,7 +127,7 @@ def make_train_step(wrt: Any, temperature: float, alpha: float, accumulation: in
 def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, scratch: Path):
     """spec.distill.teacher on the mesh; its vocabulary must be the student's."""
     teacher_spec = spec.distill.teacher
-    teacher, info = loop.load_model_source(
+    teacher, info = sources.load_model_source(
         teacher_spec.source,
         scratch,
         field="spec.distill.teacher.source",
@@ -148,20 +146,16 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
     return teacher, info
 
 
-def train(
-    job: PostTrainJob,
-    process: ProcessInfo,
-    *,
-    show_bar: bool = True,
-    stop: loop.StopFlag | None = None,
-) -> loop.Result:
-    """Distil spec.distill.teacher into spec.model for spec.training.steps steps,
-    resuming from the newest checkpoint."""
-    spec = job.spec
+def check(spec: Any) -> None:
+    """What a distillation job got wrong, before anything loads."""
     if spec.distill is None:
         raise ValueError("spec.distill: technique distill needs a spec.distill block")
-    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
-    policy = run.policy
+
+
+def train(run: loop.RunSetup) -> loop.Result:
+    """Distil spec.distill.teacher into spec.model for spec.training.steps steps,
+    resuming from the newest checkpoint."""
+    spec, policy = run.job.spec, run.policy
     teacher, _ = load_teacher(spec, policy.info, run.mesh, run.scratch)
     opt = run.optimizer()
     step_fn = make_train_step(

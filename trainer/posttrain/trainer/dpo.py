@@ -29,9 +29,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from posttrain.api.spec import DpoSpec, PostTrainJob
-from posttrain.trainer import evaluate, loop, models
-from posttrain.trainer.distributed import ProcessInfo
+from posttrain.api.spec import DpoSpec
+from posttrain.trainer import evaluate, loop, models, sources
 
 BATCH_KEYS = (
     "prompt_ids",
@@ -204,19 +203,11 @@ def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: s
 # ------------------------------------------------------------------------------- run
 
 
-def train(
-    job: PostTrainJob,
-    process: ProcessInfo,
-    *,
-    show_bar: bool = True,
-    stop: loop.StopFlag | None = None,
-) -> loop.Result:
+def train(run: loop.RunSetup) -> loop.Result:
     """DPO/ORPO for spec.training.steps steps of spec.training.batchSize pairs, resuming
     from the newest checkpoint."""
-    spec = job.spec
+    spec, policy = run.job.spec, run.policy
     settings = spec.dpo or DpoSpec()
-    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
-    policy = run.policy
     reference, ref_model = "none", None
     if str(settings.algorithm) == "dpo":
         if spec.lora:
@@ -226,7 +217,7 @@ def train(
             ref_model, _ = models.load_model(
                 policy.model_dir,
                 num_layers=spec.model.layers,
-                weights=loop.weights_uri(spec.model.source),
+                weights=sources.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=run.mesh,
                 dtype=loop.DTYPES[spec.model.dtype],

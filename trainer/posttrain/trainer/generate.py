@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE
-from posttrain.trainer import data, loop, lora, models, storage
+from posttrain.trainer import data, lora, models, sources, storage
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -47,7 +47,7 @@ def _base_source(name: str) -> str:
 
 def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     """The model (with its adapter, for an adapter directory) and its tokenizer."""
-    location = loop.local_model_dir(resolve(target), scratch, field="MODEL_OR_JOB")
+    location = sources.local_model_dir(resolve(target), scratch, field="MODEL_OR_JOB")
     config_path = Path(location) / ADAPTER_CONFIG
     if not config_path.is_file():
         model, _ = models.load_model(location)
@@ -56,7 +56,7 @@ def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"MODEL_OR_JOB: {config_path} names no base_model_name_or_path")
-    base_dir = loop.local_model_dir(_base_source(base), scratch, field=f"{config_path}: base")
+    base_dir = sources.local_model_dir(_base_source(base), scratch, field=f"{config_path}: base")
     model, _ = models.load_model(base_dir)
     model = lora.apply_lora(
         model, int(config["r"]), float(config["lora_alpha"]), config.get("target_modules")

@@ -45,7 +45,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, loop, models, optim, rewards
+from posttrain.trainer import data, evaluate, loop, models, optim, rewards, sources
 from posttrain.trainer.distributed import ProcessInfo
 
 log = logging.getLogger("posttrain.grpo")
@@ -351,7 +351,7 @@ class GrpoRun:
             self.ref_model, _ = models.load_model(
                 policy.model_dir,
                 num_layers=spec.model.layers,
-                weights=loop.weights_uri(spec.model.source),
+                weights=sources.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=mesh,
                 dtype=loop.DTYPES[spec.model.dtype],
@@ -534,22 +534,18 @@ class GrpoRun:
         return out
 
 
-def train(
-    job: PostTrainJob,
-    process: ProcessInfo,
-    *,
-    show_bar: bool = True,
-    stop: loop.StopFlag | None = None,
-) -> loop.Result:
-    """GRPO for spec.training.steps steps of spec.training.batchSize prompts (each with
-    spec.grpo.numGenerations completions), resuming from the newest checkpoint."""
-    spec = job.spec
+def check(spec: Any) -> None:
+    """What a GRPO job got wrong, before anything loads."""
     if spec.grpo is None:
         raise ValueError("spec.grpo: technique grpo needs a spec.grpo block with rewards")
     check_rollout_engine(str(spec.grpo.rollout_engine))
     rewards.build_rewards(spec.grpo)  # a reward the user got wrong fails before any loading
-    run = loop.setup_run(job, process, show_bar=show_bar, stop=stop)
-    grpo_run = GrpoRun(job, process, run.policy, run.tokenizer, run.mesh)
+
+
+def train(run: loop.RunSetup) -> loop.Result:
+    """GRPO for spec.training.steps steps of spec.training.batchSize prompts (each with
+    spec.grpo.numGenerations completions), resuming from the newest checkpoint."""
+    grpo_run = GrpoRun(run.job, run.process, run.policy, run.tokenizer, run.mesh)
     return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary)
 
 

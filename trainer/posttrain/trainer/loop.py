@@ -33,7 +33,18 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import data, evaluate, goodput, lora, models, optim, sft, storage, vision
+from posttrain.trainer import (
+    data,
+    evaluate,
+    goodput,
+    lora,
+    models,
+    optim,
+    sft,
+    sources,
+    storage,
+    vision,
+)
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
@@ -75,77 +86,6 @@ class StopFlag:
 
     def __bool__(self) -> bool:
         return self.event.is_set()
-
-
-HF_CACHE = Path.home() / ".cache" / "posttrain" / "models"
-# What the trainer reads of an hf:// repository: safetensors weights (or a PEFT adapter),
-# configs and tokenizer files; not the PyTorch, GGUF or ONNX copies many repositories hold.
-HF_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
-
-
-def local_model_dir(
-    source: str, scratch: Path, *, weights: bool = True, field: str = "spec.model.source"
-) -> str:
-    """A local directory holding a model or adapter: the path itself, a copy of a gs://
-    prefix under this run's `scratch` (without its ``*.safetensors`` files unless
-    `weights`: the loader reads its blocks of those from gs:// directly), or an hf://
-    repository in the Hugging Face cache. `field` names the source in errors."""
-    if storage.is_gcs(source):
-        target = scratch / "sources" / source.removeprefix("gs://").replace("/", "_")
-        storage.download_dir(source, target, skip=() if weights else (".safetensors",))
-        return str(target)
-    if source.startswith("hf://"):
-        return _hub_snapshot(source, field)
-    if not Path(source).is_dir():
-        raise FileNotFoundError(f"{field}: {source} is not a directory")
-    return source
-
-
-def _hub_snapshot(source: str, field: str) -> str:
-    """The files the trainer reads of an hf://org/name[@rev] repository, fetched into the
-    Hugging Face cache. A wrong name is the job's error (ValueError naming `field`); a Hub
-    that does not answer is storage.Unreachable (the pod retries)."""
-    try:
-        from huggingface_hub import errors, snapshot_download
-    except ImportError as e:
-        raise ValueError(f"{field}: hf:// needs the huggingface_hub package") from e
-    repo, _, revision = source.removeprefix("hf://").partition("@")
-    try:
-        return snapshot_download(
-            repo, revision=revision or None, cache_dir=str(HF_CACHE), allow_patterns=HF_FILES
-        )
-    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as e:
-        reason = (
-            "no such repository"
-            if isinstance(e, errors.RepositoryNotFoundError)
-            else (f"no revision {revision!r}")
-        )
-        raise ValueError(f"{field}: {source}: {reason} on the Hugging Face Hub") from None
-    except errors.GatedRepoError:
-        raise ValueError(
-            f"{field}: {source} is gated: accept its terms on the Hub and give the job a "
-            "token (spec.hfTokenSecret)"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - network and Hub failures come in many types
-        reason = storage.root_cause(e)
-        raise storage.Unreachable(
-            f"{field}: cannot fetch {source} from the Hugging Face Hub ({reason}); "
-            "check the network or copy the model to a path or gs:// and point the field there"
-        ) from None
-
-
-def load_model_source(
-    source: str, scratch: Path, *, field: str = "spec.model.source", **kwargs: Any
-) -> tuple[nnx.Module, Any]:
-    """models.load_model of a spec's model source (a path, gs:// or hf://); on gs:// each
-    host fetches only the blocks of the weights its devices hold."""
-    model_dir = local_model_dir(source, scratch, weights=False, field=field)
-    return models.load_model(model_dir, weights=weights_uri(source), **kwargs)
-
-
-def weights_uri(source: str) -> str | None:
-    """Where load_model reads the weights of `source` when not from its local copy."""
-    return source if storage.is_gcs(source) else None
 
 
 def _global_batch(
@@ -207,7 +147,8 @@ class OutputDir:
             storage.upload_dir(self.local, self.uri)
 
 
-# Modules of the other techniques; each has train(job, process, show_bar=, stop=).
+# Modules of the other techniques; each has train(run: RunSetup) -> Result, and may have
+# check(spec), called before anything loads.
 TECHNIQUES = {
     "dpo": "posttrain.trainer.dpo",
     "grpo": "posttrain.trainer.grpo",
@@ -220,15 +161,25 @@ def train(
 ) -> Result:
     """Train the job to spec.training.steps (or until stopped), resuming if a checkpoint
     exists under output.uri/checkpoints."""
+    started = (time.monotonic(), time.time())  # goodput's startup begins here
     spec = job.spec
     for field_name, uri in gcs_locations(spec):
         storage.check_reachable(uri, field_name)
     if (done := finished_run(spec)) is not None:
         return done
+    technique = train_sft
     if spec.technique != "sft":
         module = importlib.import_module(TECHNIQUES[str(spec.technique)])
-        return module.train(job, process, show_bar=show_bar, stop=stop)
-    run = setup_run(job, process, show_bar=show_bar, stop=stop)
+        if (check := getattr(module, "check", None)) is not None:
+            check(spec)
+        technique = module.train
+    return technique(setup_run(job, process, show_bar=show_bar, stop=stop, started=started))
+
+
+def train_sft(run: RunSetup) -> Result:
+    """SFT (sft.make_train_step) for spec.training.steps steps, resuming from the newest
+    checkpoint."""
+    spec = run.job.spec
     opt = run.optimizer()
     step_fn = sft.make_train_step(run.policy.wrt, spec.training.gradient_accumulation)
     measure, summarize = evaluate.token_loss(run.policy.model, run.to_global)
@@ -300,12 +251,18 @@ class RunSetup:
 
 
 def setup_run(
-    job: PostTrainJob, process: ProcessInfo, *, show_bar: bool, stop: StopFlag | None
+    job: PostTrainJob,
+    process: ProcessInfo,
+    *,
+    show_bar: bool,
+    stop: StopFlag | None,
+    started: tuple[float, float] | None = None,
 ) -> RunSetup:
     """Load what every technique trains from: spec.model (with spec.lora) on the mesh,
-    its tokenizer, and this host's training loader and held-out data."""
+    its tokenizer, and this host's training loader and held-out data. `started`
+    (monotonic, wall clock) is when the attempt began (default: now)."""
     spec = job.spec
-    started = (time.monotonic(), time.time())
+    started = started or (time.monotonic(), time.time())
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
     policy = load_policy(spec, mesh, scratch)
@@ -357,7 +314,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
     # weights the optimizer updates and checkpoints hold): every weight of a full
     # fine-tune, the adapters of LoRA (apply_lora), whose frozen base stays in model.dtype.
     compute = DTYPES[spec.model.dtype]
-    model, info = load_model_source(
+    model, info = sources.load_model_source(
         spec.model.source,
         scratch,
         family=spec.model.family,
@@ -378,7 +335,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             seed=spec.training.seed,
         )
         if spec.lora.restore_from:
-            adapter = local_model_dir(
+            adapter = sources.local_model_dir(
                 spec.lora.restore_from, scratch, field="spec.lora.restoreFrom"
             )
             lora.load_peft_adapter(model, adapter)
