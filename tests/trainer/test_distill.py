@@ -15,12 +15,10 @@ import pytest
 import yaml
 from safetensors.numpy import load_file, save_file
 from tb_events import scalars
+from tiny_job import run_job, tiny_job
 from tiny_model import make_tiny_llama
 
-from posttrain.api.validate import validate
 from posttrain.trainer import distill, models
-from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.loop import train
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,40 +38,23 @@ def models_dir(tmp_path_factory) -> Path:
 
 
 def job_doc(root: Path, out: Path, *, steps=16, every=8, teacher="teacher", lora=False):
-    spec = {
-        "technique": "distill",
-        "model": {"source": str(root / "student"), "dtype": "float32"},
-        "data": {"source": str(DATA), "maxLength": 64},
-        "training": {
-            "steps": steps,
-            "batchSize": 8,
-            "learningRate": 0.01,
-            "schedule": "constant",
-            "logEverySteps": 1,
-            "gradientAccumulation": 2,
-        },
-        "distill": {
+    return tiny_job(
+        root / "student",
+        DATA,
+        out,
+        name="tiny-distill",
+        steps=steps,
+        every=every,
+        keep=2,
+        lora=lora,
+        training={"schedule": "constant", "logEverySteps": 1, "gradientAccumulation": 2},
+        technique="distill",
+        distill={
             "teacher": {"source": str(root / teacher), "dtype": "float32"},
             "temperature": 2.0,
             "alpha": 0.5,
         },
-        "checkpoint": {"everySteps": every, "keep": 2},
-        "output": {"uri": str(out)},
-    }
-    if lora:
-        spec["lora"] = {"rank": 4, "alpha": 8}
-    return {
-        "apiVersion": "posttrain.dev/v1alpha1",
-        "kind": "PostTrainJob",
-        "metadata": {"name": "tiny-distill"},
-        "spec": spec,
-    }
-
-
-def run(doc: dict):
-    job, errors = validate(doc)
-    assert not errors, errors
-    return train(job, ProcessInfo(None, 1, 0), show_bar=False)
+    )
 
 
 def test_loss_matches_hand_computed_values():
@@ -106,7 +87,7 @@ def test_loss_matches_hand_computed_values():
 
 def test_student_kl_to_teacher_falls_and_resumes_exactly(models_dir, tmp_path):
     out = tmp_path / "out"
-    result = run(job_doc(models_dir, out))
+    result = run_job(job_doc(models_dir, out))
     assert result.step == 16
     tb = scalars(out / "tensorboard")
     kl = [tb["train/kl"][s] for s in sorted(tb["train/kl"])]
@@ -120,7 +101,7 @@ def test_student_kl_to_teacher_falls_and_resumes_exactly(models_dir, tmp_path):
 
     shutil.rmtree(out / "checkpoints" / "16")
     shutil.rmtree(out / "hf")
-    again = run(job_doc(models_dir, out))
+    again = run_job(job_doc(models_dir, out))
     assert again.resumed_from == 8 and again.step == 16
     resumed = load_file(str(out / "hf" / "model.safetensors"))
     assert first.keys() == resumed.keys()
@@ -131,13 +112,13 @@ def test_student_kl_to_teacher_falls_and_resumes_exactly(models_dir, tmp_path):
 def test_teacher_with_another_vocabulary_is_refused(models_dir, tmp_path):
     make_tiny_llama(models_dir / "other", vocab=300)
     with pytest.raises(ValueError, match=r"spec.distill.teacher: .*300 tokens.*400"):
-        run(job_doc(models_dir, tmp_path / "out", teacher="other"))
+        run_job(job_doc(models_dir, tmp_path / "out", teacher="other"))
 
 
 def test_held_out_loss_is_reported_and_falls(models_dir, tmp_path):
     doc = job_doc(models_dir, tmp_path / "out", steps=16)
     doc["spec"]["eval"] = {"fraction": 0.1, "everySteps": 8, "samples": 0}
-    result = run(doc)
+    result = run_job(doc)
     losses = [result.evals[s]["loss"] for s in (8, 16)]
     assert losses[1] < losses[0], losses
 
@@ -156,7 +137,7 @@ def test_the_example_distils_into_the_teachers_first_layers(tmp_path):
     spec["data"]["source"] = str(ROOT / spec["data"]["source"])
     spec["training"].update(steps=2, warmupSteps=1, logEverySteps=1)
     spec["output"]["uri"] = str(tmp_path / "out")
-    result = run(doc)
+    result = run_job(doc)
     assert result.step == 2
     exported = tmp_path / "out" / "hf"
     assert json.loads((exported / "config.json").read_text())["num_hidden_layers"] == 1

@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 from tb_events import scalars
+from tiny_job import run_job, tiny_job
 from tiny_model import make_tiny_llama
 
-from posttrain.api.validate import validate
 from posttrain.trainer import dpo
-from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.loop import train
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,36 +38,18 @@ def pairs(tmp_path_factory) -> Path:
 def job_doc(
     model_dir: Path, out: Path, data: Path, *, steps=24, lora=True, algorithm="dpo", every=8
 ):
-    spec = {
-        "technique": "dpo",
-        "model": {"source": str(model_dir), "dtype": "float32"},
-        "data": {"source": str(data), "maxLength": 64},
-        "training": {
-            "steps": steps,
-            "batchSize": 8,
-            "learningRate": 0.01,
-            "schedule": "constant",
-            "logEverySteps": 1,
-            "seed": 3,
-        },
-        "dpo": {"algorithm": algorithm, "beta": 0.1},
-        "checkpoint": {"everySteps": every, "keep": 3},
-        "output": {"uri": str(out)},
-    }
-    if lora:
-        spec["lora"] = {"rank": 4, "alpha": 8}
-    return {
-        "apiVersion": "posttrain.dev/v1alpha1",
-        "kind": "PostTrainJob",
-        "metadata": {"name": "tiny-dpo"},
-        "spec": spec,
-    }
-
-
-def run(doc: dict):
-    job, errors = validate(doc)
-    assert not errors, errors
-    return train(job, ProcessInfo(None, 1, 0), show_bar=False)
+    return tiny_job(
+        model_dir,
+        data,
+        out,
+        name="tiny-dpo",
+        steps=steps,
+        every=every,
+        lora=lora,
+        training={"schedule": "constant", "logEverySteps": 1, "seed": 3},
+        technique="dpo",
+        dpo={"algorithm": algorithm, "beta": 0.1},
+    )
 
 
 def series(out: Path, name: str) -> list[float]:
@@ -98,7 +78,7 @@ def test_losses_match_hand_computed_values():
 
 def test_lora_dpo_raises_accuracy_and_margin_and_resumes_exactly(model_dir, pairs, tmp_path):
     out = tmp_path / "out"
-    result = run(job_doc(model_dir, out, pairs))
+    result = run_job(job_doc(model_dir, out, pairs))
     assert result.step == 24 and result.export_dir == str(out / "hf")
     accuracy, margin = series(out, "preference_accuracy"), series(out, "reward_margin")
     print(
@@ -123,7 +103,7 @@ def test_lora_dpo_raises_accuracy_and_margin_and_resumes_exactly(model_dir, pair
     # As if the run had died after step 16: the resumed run ends bitwise where it ended.
     shutil.rmtree(out / "checkpoints" / "24")
     shutil.rmtree(out / "hf")
-    again = run(job_doc(model_dir, out, pairs))
+    again = run_job(job_doc(model_dir, out, pairs))
     assert again.resumed_from == 16 and again.step == 24
     resumed = load_file(str(out / "hf" / "adapter_model.safetensors"))
     assert first.keys() == resumed.keys()
@@ -137,7 +117,7 @@ def test_full_dpo_with_accumulation_uses_a_frozen_reference_and_exports_merged(
     out = tmp_path / "out"
     doc = job_doc(model_dir, out, pairs, steps=4, lora=False, every=4)
     doc["spec"]["training"]["gradientAccumulation"] = 2
-    result = run(doc)
+    result = run_job(doc)
     assert (out / "hf" / "model.safetensors").exists() and result.step == 4
     margin = series(out, "reward_margin")
     assert margin[0] == pytest.approx(0.0, abs=1e-5)  # the frozen copy equals the policy
@@ -146,7 +126,7 @@ def test_full_dpo_with_accumulation_uses_a_frozen_reference_and_exports_merged(
 
 def test_orpo_is_reference_free_and_learns_the_chosen(model_dir, pairs, tmp_path):
     out = tmp_path / "out"
-    run(job_doc(model_dir, out, pairs, steps=10, algorithm="orpo", every=10))
+    run_job(job_doc(model_dir, out, pairs, steps=10, algorithm="orpo", every=10))
     nll, log_odds = series(out, "nll"), series(out, "log_odds_ratio")
     assert np.isfinite(nll).all() and np.isfinite(log_odds).all()
     assert np.mean(nll[-3:]) < nll[0]  # the SFT term fits the chosen answers
@@ -161,7 +141,7 @@ def test_held_out_preference_accuracy_rises(model_dir, pairs, tmp_path):
     held_out.write_text("".join(DATA.read_text().splitlines(keepends=True)[100:132]))
     doc = job_doc(model_dir, tmp_path / "out", pairs)
     doc["spec"]["eval"] = {"source": str(held_out), "everySteps": 4, "samples": 0}
-    result = run(doc)
+    result = run_job(doc)
     accuracy = [result.evals[s]["preference_accuracy"] for s in sorted(result.evals)]
     margin = [result.evals[s]["reward_margin"] for s in sorted(result.evals)]
     assert sorted(result.evals) == [0, 4, 8, 12, 16, 20, 24]

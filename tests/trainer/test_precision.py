@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors import safe_open
+from tiny_job import run_job, tiny_job, validated
 from tiny_model import make_tiny_llama
 
-from posttrain.api.validate import validate
 from posttrain.trainer import loop, lora, models, optim, sft
-from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.models.saving import save_hf
 
 pytestmark = pytest.mark.trainer
@@ -39,24 +38,18 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def make_spec(model_dir: Path, out: Path, *, dtype="bfloat16", lora=True, **training):
-    spec = {
-        "model": {"source": str(model_dir), "dtype": dtype},
-        "data": {"source": str(DATA), "maxLength": 64},
-        "training": {"steps": 4, "batchSize": 8, "learningRate": 0.01, "logEverySteps": 1}
-        | training,
-        "checkpoint": {"everySteps": 2, "keep": 3},
-        "output": {"uri": str(out)},
-    }
-    if lora:
-        spec["lora"] = {"rank": 4, "alpha": 8}
-    doc = {
-        "apiVersion": "posttrain.dev/v1alpha1",
-        "kind": "PostTrainJob",
-        "metadata": {"name": "p"},
-    }
-    job, errors = validate(doc | {"spec": spec})
-    assert not errors, errors
-    return job
+    doc = tiny_job(
+        model_dir,
+        DATA,
+        out,
+        name="p",
+        steps=4,
+        every=2,
+        lora=lora,
+        dtype=dtype,
+        training={"logEverySteps": 1, **training},
+    )
+    return validated(doc)
 
 
 class Trainer:
@@ -195,7 +188,7 @@ def test_an_update_below_bfloat16_resolution_reaches_the_float32_master(model_di
 def test_full_finetune_in_bfloat16_keeps_float32_weights_and_resumes_bitwise(model_dir, tmp_path):
     def train(dtype, out):
         job = make_spec(model_dir, out, dtype=dtype, lora=False)
-        return loop.train(job, ProcessInfo(None, 1, 0), show_bar=False)
+        return run_job(job)
 
     bf16 = train("bfloat16", tmp_path / "bf16")
     fp32 = train("float32", tmp_path / "fp32")
