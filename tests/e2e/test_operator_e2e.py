@@ -15,7 +15,7 @@ import pytest
 from invalid_jobs import valid_job
 from operator_process import OperatorProcess, chart_identity, drop_chart_identity
 
-from tests.cluster import Cluster, wait_for
+from tests.cluster import Cluster, unique_name, wait_for
 
 pytestmark = pytest.mark.e2e
 GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"
@@ -57,6 +57,15 @@ def status(cluster: Cluster, namespace: str, name: str) -> dict:
         )
         or {}
     )
+
+
+def wait_failed(cluster: Cluster, namespace: str, name: str, timeout: int) -> tuple[dict, dict]:
+    """Waits for the job's Failed condition; returns its status and that condition."""
+    cluster.kubectl(
+        "wait", "--for=condition=Failed", f"ptj/{name}", "-n", namespace, f"--timeout={timeout}s"
+    )
+    st = status(cluster, namespace, name)
+    return st, {c["type"]: c for c in st["conditions"]}["Failed"]
 
 
 def reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
@@ -117,24 +126,16 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
 
 def test_crashing_job_restarts_then_fails(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "crashy", "posttrain-trainer:exit-1")
-    cluster.kubectl(
-        "wait", "--for=condition=Failed", "ptj/crashy", "-n", namespace, "--timeout=240s"
-    )
-    st = status(cluster, namespace, "crashy")
+    st, failed = wait_failed(cluster, namespace, "crashy", 240)
     assert st["restarts"] == 2
-    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
     assert failed["status"] == "True" and failed["reason"] and failed["message"]
     assert "Restarting" in reasons(cluster, namespace, "crashy") or st["restarts"] == 2
 
 
 def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "baddata", "posttrain-trainer:exit-65")
-    cluster.kubectl(
-        "wait", "--for=condition=Failed", "ptj/baddata", "-n", namespace, "--timeout=120s"
-    )
-    st = status(cluster, namespace, "baddata")
+    st, failed = wait_failed(cluster, namespace, "baddata", 120)
     assert st["restarts"] == 0
-    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
     assert failed["reason"] == "InvalidInput" and "exited with code 65" in failed["message"], failed
 
 
@@ -278,10 +279,7 @@ def test_oom_killed_trainer_is_named_with_its_memory(cluster: Cluster, namespace
     doc["spec"]["resources"] = {"accelerator": "v6e-8", "memory": "1Gi"}
     doc["spec"]["scheduling"] = {"maxRestarts": 1}
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
-    cluster.kubectl(
-        "wait", "--for=condition=Failed", "ptj/hungry", "-n", namespace, "--timeout=180s"
-    )
-    failed = {c["type"]: c for c in status(cluster, namespace, "hungry")["conditions"]}["Failed"]
+    _, failed = wait_failed(cluster, namespace, "hungry", 180)
     assert failed["reason"] == "OOMKilled", failed
     row = get_row(cluster, namespace, "hungry")
     assert row.split()[4] == "Failed", row
@@ -396,3 +394,38 @@ def test_image_that_cannot_be_pulled_is_named(cluster: Cluster, namespace: str, 
         time.sleep(0.3)
     assert len(statuses) == 1 and statuses.pop()[2] == "ErrImagePull", statuses
     assert reasons(cluster, namespace, "nopull").count("ErrImagePull") == 1
+
+
+def test_inactive_cluster_queue_says_why(cluster: Cluster, namespace: str, operator):
+    """A ClusterQueue naming a ResourceFlavor that does not exist is inactive: the job
+    says so with the ClusterQueue's own reason (its Workload only says 'inactive')."""
+    cq, flavor = unique_name("inactive-cq", 20), unique_name("no-such-flavor", 24)
+    quota = {"name": "google.com/tpu", "nominalQuota": 8}
+    group = {
+        "coveredResources": ["google.com/tpu"],
+        "flavors": [{"name": flavor, "resources": [quota]}],
+    }
+    kueue = "kueue.x-k8s.io/v1beta2"
+    objects = [
+        {"apiVersion": kueue, "kind": "ClusterQueue", "metadata": {"name": cq},
+         "spec": {"namespaceSelector": {}, "resourceGroups": [group]}},
+        {"apiVersion": kueue, "kind": "LocalQueue", "metadata": {"name": "tpu", "namespace": namespace},
+         "spec": {"clusterQueue": cq}},
+    ]  # fmt: skip
+    cluster.apply(objects)
+    try:
+        tpu_job(cluster, namespace, "stuck", "posttrain-trainer:slow", queue="tpu")
+        row = wait_for(
+            lambda: (r := get_row(cluster, namespace, "stuck")) and "missing" in r and r,
+            timeout=60,
+            describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+        )
+        assert row.split()[4] == "Queued", row
+        assert (
+            f"Kueue queue 'tpu': ClusterQueue {cq} is inactive: Can't admit new workloads: "
+            f"references missing ResourceFlavor(s): {flavor}."
+        ) in row, row
+        assert pods(cluster, namespace) == []
+    finally:
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all(objects)

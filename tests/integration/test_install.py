@@ -325,6 +325,8 @@ ALLOWED = [
     ("watch", "pods", "-"),
     ("list", "workloads.kueue.x-k8s.io", "-"),
     ("watch", "workloads.kueue.x-k8s.io", "-"),
+    ("list", "clusterqueues.kueue.x-k8s.io", "-"),
+    ("watch", "clusterqueues.kueue.x-k8s.io", "-"),
 ]
 DENIED = [
     ("create", "priorityclasses.scheduling.k8s.io", "-"),
@@ -343,6 +345,7 @@ DENIED = [
     ("delete", "pods", "other"),
     ("update", "pods/status", "other"),
     ("patch", "workloads.kueue.x-k8s.io", "other"),
+    ("patch", "clusterqueues.kueue.x-k8s.io", "-"),
     ("get", "pods/log", "other"),
     ("delete", "namespaces", "-"),
     ("create", "namespaces", "-"),

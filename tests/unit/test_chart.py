@@ -61,6 +61,7 @@ EXPECTED_CLUSTER_RULES = {
     ("kueue.x-k8s.io", "localqueues"): {"get"},
     ("", "pods"): {"list", "watch"},
     ("kueue.x-k8s.io", "workloads"): {"list", "watch"},
+    ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
 }
 
 

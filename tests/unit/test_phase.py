@@ -6,6 +6,7 @@ from posttrain.api.spec import Phase
 from posttrain.controller.phase import (
     Observation,
     changed,
+    cluster_queue_inactive,
     conditions_for,
     observation_patch,
     one_line,
@@ -13,6 +14,7 @@ from posttrain.controller.phase import (
     pod_state,
     status_patch,
     status_reason,
+    with_cluster_queue,
     without_workload,
     workload_state,
 )
@@ -736,3 +738,51 @@ def test_image_pull_back_off_keeps_the_pull_error(message, detail):
         "ErrImagePull",
         f"{head}: {detail}" if detail else head,
     )
+
+
+MISSING_FLAVOR = {
+    "status": {
+        "conditions": [
+            {
+                "type": "Active",
+                "status": "False",
+                "reason": "FlavorNotFound",
+                "message": "Can't admit new workloads: references missing ResourceFlavor(s): "
+                "v6e-2x4.",
+            }
+        ]
+    }
+}
+READY_CQ = {"status": {"conditions": [{"type": "Active", "status": "True", "reason": "Ready"}]}}
+
+
+@pytest.mark.parametrize(
+    "case,wl,queues,message",
+    [
+        (
+            "inactive: with the ClusterQueue's own reason",
+            INACTIVE,
+            {"cq": MISSING_FLAVOR},
+            "Kueue queue 'tpu': ClusterQueue cq is inactive: Can't admit new workloads: "
+            "references missing ResourceFlavor(s): v6e-2x4.",
+        ),
+        (
+            "inactive, its ClusterQueue not (yet) seen",
+            INACTIVE,
+            {},
+            "Kueue queue 'tpu': ClusterQueue cq is inactive",
+        ),
+        (
+            "another ClusterQueue is the inactive one",
+            INACTIVE,
+            {"other": MISSING_FLAVOR, "cq": READY_CQ},
+            "Kueue queue 'tpu': ClusterQueue cq is inactive",
+        ),
+        ("no quota: untouched", NO_QUOTA, {"cq": MISSING_FLAVOR}, "Kueue queue 'tpu': couldn't"),
+    ],
+)
+def test_inactive_cluster_queue_says_why(case, wl, queues, message):
+    inactive = {n: w for n, q in queues.items() if (w := cluster_queue_inactive(q))}
+    state = with_cluster_queue(workload_state(wl), inactive.get)
+    obs = phase_from(jobset(suspend=True, queue="tpu"), False, [], state)
+    assert obs.phase == "Queued" and obs.message.startswith(message), obs

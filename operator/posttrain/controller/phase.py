@@ -14,7 +14,7 @@ the scheduler's PodScheduled condition, the kubelet's container states.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +211,29 @@ def workload_state(workload: dict[str, Any]) -> WorkloadState:
         ):
             return WorkloadState(False, c.get("reason") or "Pending", c["message"])
     return WorkloadState(False)
+
+
+INACTIVE_CLUSTER_QUEUE = re.compile(r"^ClusterQueue (\S+) is inactive$")
+
+
+def cluster_queue_inactive(cluster_queue: dict[str, Any]) -> str | None:
+    """Why Kueue keeps a ClusterQueue inactive (its Active=False condition's message, e.g.
+    `Can't admit new workloads: references missing ResourceFlavor(s): x.`), else None."""
+    for c in (cluster_queue.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Active" and c.get("status") == "False":
+            return c.get("message") or c.get("reason") or "inactive"
+    return None
+
+
+def with_cluster_queue(
+    state: WorkloadState, inactive: Callable[[str], str | None]
+) -> WorkloadState:
+    """A Workload's `ClusterQueue X is inactive` with why, from X's own condition
+    (`inactive(name)`: an inactive ClusterQueue's message, else None)."""
+    match = INACTIVE_CLUSTER_QUEUE.match(state.message or "")
+    if match and (why := inactive(match.group(1))):
+        return WorkloadState(state.admitted, state.reason, f"{state.message}: {why}")
+    return state
 
 
 def _pod_priority_class(jobset: dict[str, Any]) -> str | None:

@@ -11,13 +11,16 @@ reads nothing from the API server:
   only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept;
 - the names of the WorkloadPriorityClasses and PriorityClasses that exist (few, cluster
   scoped): while the class a queued JobSet names is missing, Kueue makes no Workload and
-  says so only in its log (`phase.without_workload`).
+  says so only in its log (`phase.without_workload`);
+- why each inactive ClusterQueue is inactive, as Kueue says on it: a Workload only says
+  `ClusterQueue X is inactive` (`phase.with_cluster_queue`).
 
 An index is a kopf mapping from a key to the values of every object that gave that key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -82,6 +85,12 @@ def priority_class_index(name: str, **_: Any) -> dict[str, str]:
     return {"names": name}
 
 
+@kopf.index(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues")
+def inactive_cluster_queue_index(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
+    why = phase.cluster_queue_inactive(dict(body))
+    return {name: why} if why else {}
+
+
 def _values(index: kopf.Index | None, key: Key) -> list[Any]:
     """The values under key. Handlers run in threads while the event loop updates the
     indexes: a copy that raced with an update is taken again."""
@@ -120,12 +129,20 @@ def workload(
     meta = jobset_body["metadata"]
     for uid, state in _values(indexes.get("workload_index"), (namespace, meta["name"])):
         if uid == meta.get("uid"):
-            return state
+            return phase.with_cluster_queue(state, _inactive(indexes))
     return phase.without_workload(
         jobset_body,
         _names(indexes, "workload_priority_class_index"),
         _names(indexes, "priority_class_index"),
     )
+
+
+def _inactive(indexes: dict[str, Any]) -> Callable[[str], str | None]:
+    def why(name: str) -> str | None:
+        found = _values(indexes.get("inactive_cluster_queue_index"), name)
+        return found[0] if found else None
+
+    return why
 
 
 def _names(indexes: dict[str, Any], index: str) -> set[str] | None:
