@@ -394,10 +394,11 @@ class CA:
     def create(
         cls,
         common_name: str = "posttrain-control-plane-ca",
-        dns_names: Sequence[str] = (),
+        hosts: Sequence[str] = (),
         rsa_pkcs1: bool = False,
     ) -> CA:
-        """A self-signed CA (EC P-256; RSA-2048 with a PKCS#1 key if `rsa_pkcs1`)."""
+        """A self-signed CA (EC P-256; RSA-2048 with a PKCS#1 key if `rsa_pkcs1`), valid
+        for `hosts` (IP addresses or DNS names) too."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -421,10 +422,8 @@ class CA:
             .not_valid_after(now + _dt.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         )
-        if dns_names:
-            cert = cert.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False
-            )
+        if hosts:
+            cert = cert.add_extension(_subject_alt_names(hosts), critical=False)
         cert = (
             cert.add_extension(
                 x509.KeyUsage(
@@ -468,8 +467,6 @@ class CA:
         client: bool = False,
     ) -> tuple[bytes, bytes]:
         """Issue a leaf certificate; returns (cert_pem, key_pem)."""
-        import ipaddress
-
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -517,15 +514,35 @@ class CA:
         if usages:
             builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         if hosts:
-            sans: list[x509.GeneralName] = []
-            for h in hosts:
-                try:
-                    sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-                except ValueError:
-                    sans.append(x509.DNSName(h))
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            builder = builder.add_extension(_subject_alt_names(hosts), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
         return _pem_cert(cert), _pem_key(key)
+
+
+def _subject_alt_names(hosts: Sequence[str]) -> Any:
+    """The SubjectAlternativeName extension of `hosts`: IP addresses and DNS names."""
+    import ipaddress
+
+    from cryptography import x509
+
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(sans)
+
+
+def self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """`directory`/tls.crt and tls.key: a serving certificate for `host` that is its own
+    CA (the `caBundle` of a webhook configuration pointing at it is tls.crt)."""
+    ca = CA.create(host, hosts=[host])
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(ca.cert_pem)
+    _write_private(key_path, ca.key_pem)
+    return cert_path, key_path
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -1382,7 +1399,7 @@ def _kueue_certs(certs: Path) -> bytes:
     import base64
 
     # cert-controller parses the CA key as PKCS#1 RSA.
-    ca = CA.create("kueue-ca", dns_names=["kueue-ca"], rsa_pkcs1=True)
+    ca = CA.create("kueue-ca", hosts=["kueue-ca"], rsa_pkcs1=True)
     svc = f"{KUEUE_WEBHOOK_SERVICE}.{KUEUE_NAMESPACE}.svc"
     cert, key = ca.issue(svc, hosts=[svc, "127.0.0.1", "localhost"], server=True)
     certs.mkdir(parents=True, exist_ok=True)
@@ -1465,23 +1482,11 @@ def _kueue_visibility(state: State | None) -> tuple[dict[str, Any], list[str]]:
     return config, [f"--kubeconfig={KUBECONFIG}"]
 
 
-def _start_kueue(state: State) -> None:
-    import yaml
-
-    webhook, health = state.port("kueue-webhook"), state.port("kueue-health")
-    certs = RUN_DIR / "kueue-certs"
-    ca = _kueue_certs(certs)
-    url_base = f"https://127.0.0.1:{webhook}"
-    # Webhook configurations and CRD conversion first: the rotator injects its CA
-    # into them (the same CA) before Kueue reports ready.
-    docs = list(
-        yaml.safe_load_all(
-            (
-                module_dir("sigs.k8s.io/kueue", KUEUE_VERSION)
-                / "config/components/webhook/manifests.yaml"
-            ).read_text()
-        )
-    )
+def _register_kueue_webhooks(
+    docs: list[dict[str, Any]], url_base: str, ca: bytes, failure_policy: str | None = None
+) -> None:
+    """Kueue's webhooks of the groups posttrain uses, at its server on loopback, for every
+    namespace but kube-system and Kueue's own; ``failure_policy`` overrides Kueue's."""
     register_url_webhooks(
         docs,
         url_base=url_base,
@@ -1499,9 +1504,29 @@ def _start_kueue(state: State) -> None:
                 }
             ]
         },
-        # Until Kueue serves, do not block Jobs/JobSets cluster-wide.
-        failure_policy="Ignore",
+        failure_policy=failure_policy,
     )
+
+
+def _start_kueue(state: State) -> None:
+    import yaml
+
+    webhook, health = state.port("kueue-webhook"), state.port("kueue-health")
+    certs = RUN_DIR / "kueue-certs"
+    ca = _kueue_certs(certs)
+    url_base = f"https://127.0.0.1:{webhook}"
+    # Webhook configurations and CRD conversion first: the rotator injects its CA
+    # into them (the same CA) before Kueue reports ready.
+    docs = list(
+        yaml.safe_load_all(
+            (
+                module_dir("sigs.k8s.io/kueue", KUEUE_VERSION)
+                / "config/components/webhook/manifests.yaml"
+            ).read_text()
+        )
+    )
+    # Until Kueue serves, do not block Jobs/JobSets cluster-wide.
+    _register_kueue_webhooks(docs, url_base, ca, failure_policy="Ignore")
     _kueue_conversion(f"{url_base}/convert", ca)
     visibility, visibility_args = _kueue_visibility(state)
     cfg = RUN_DIR / "kueue.yaml"
@@ -1543,24 +1568,7 @@ def _start_kueue(state: State) -> None:
             log("kueue: visibility API not available; removing its APIService")
             _kueue_visibility(None)
     # Serving now: make its webhooks as strict as Kueue ships them.
-    register_url_webhooks(
-        docs,
-        url_base=url_base,
-        ca_bundle=ca,
-        name_prefix="kueue-",
-        keep=lambda wh: all(
-            set(r.get("apiGroups", [])) <= KUEUE_WEBHOOK_GROUPS for r in wh.get("rules", [])
-        ),
-        namespace_selector={
-            "matchExpressions": [
-                {
-                    "key": "kubernetes.io/metadata.name",
-                    "operator": "NotIn",
-                    "values": ["kube-system", KUEUE_NAMESPACE],
-                }
-            ]
-        },
-    )
+    _register_kueue_webhooks(docs, url_base, ca)
 
 
 def _kueue_conversion_crds() -> list[str]:

@@ -51,6 +51,8 @@ tpu_slice_nodes = control_plane.tpu_slice_nodes
 gpu_node = control_plane.gpu_node
 cpu_node = control_plane.cpu_node
 default_nodes = control_plane.default_nodes
+# A serving certificate that is its own CA (for a webhook server run by a test).
+self_signed = control_plane.self_signed
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 

@@ -13,11 +13,11 @@ import json
 
 import pytest
 from hostile_jobs import CASES, Hostile
-from operator_process import OperatorProcess, free_port, self_signed
+from operator_process import OperatorProcess, free_port
 
 from posttrain.api.validate import printable, validate
 from posttrain.controller.webhook import CONFIGURATION_NAME
-from tests.cluster import Cluster, unique_name, wait_for
+from tests.cluster import Cluster, self_signed, unique_name, wait_for
 
 pytestmark = pytest.mark.integration
 GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"

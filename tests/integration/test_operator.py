@@ -14,9 +14,9 @@ import time
 
 import pytest
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess, free_port, self_signed
+from operator_process import OperatorProcess, free_port
 
-from tests.cluster import Cluster, wait_for
+from tests.cluster import Cluster, self_signed, wait_for
 
 pytestmark = pytest.mark.integration
 GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"
@@ -43,6 +43,14 @@ def jobsets(apiserver: Cluster, namespace: str) -> list[dict]:
     return apiserver.custom.list_namespaced_custom_object(
         "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets"
     )["items"]
+
+
+# A JobSet status with its one replicated job running.
+RUNNING = {
+    "replicatedJobsStatus": [
+        {"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}
+    ]
+}
 
 
 def set_jobset_status(apiserver: Cluster, namespace: str, name: str, status: dict) -> None:
@@ -87,23 +95,7 @@ def test_creates_owned_objects_and_status(
     wait_for(lambda: "JobSetCreated" in events(apiserver, namespace, "first"), timeout=20)
 
     # The JobSet runs, then completes: the phase follows, with conditions and events.
-    set_jobset_status(
-        apiserver,
-        namespace,
-        "first",
-        {
-            "replicatedJobsStatus": [
-                {
-                    "name": "node",
-                    "ready": 1,
-                    "active": 1,
-                    "succeeded": 0,
-                    "failed": 0,
-                    "suspended": 0,
-                }
-            ]
-        },
-    )
+    set_jobset_status(apiserver, namespace, "first", RUNNING)
     wait_for(lambda: phase(apiserver, namespace, "first") == "Running", timeout=30)
     set_jobset_status(
         apiserver,
@@ -271,23 +263,7 @@ def test_trainer_role_patches_only_its_own_status(
             GROUP, VERSION, namespace, PLURAL, "reporter", {"spec": {"image": "x"}}
         )
     # The operator's own status writes keep the trainer's progress.
-    set_jobset_status(
-        apiserver,
-        namespace,
-        "reporter",
-        {
-            "replicatedJobsStatus": [
-                {
-                    "name": "node",
-                    "ready": 1,
-                    "active": 1,
-                    "succeeded": 0,
-                    "failed": 0,
-                    "suspended": 0,
-                }
-            ]
-        },
-    )
+    set_jobset_status(apiserver, namespace, "reporter", RUNNING)
     wait_for(lambda: phase(apiserver, namespace, "reporter") == "Running", timeout=30)
     assert get_job(apiserver, namespace, "reporter")["status"]["progress"] == progress
     row = apiserver.kubectl(
