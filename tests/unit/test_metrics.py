@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
+import time
 from typing import Any
 
 import pytest
@@ -32,21 +34,29 @@ def cond(ctype: str, status: str, when: str) -> dict[str, str]:
     return {"type": ctype, "status": status, "lastTransitionTime": when}
 
 
+CREATED = ts("2026-03-01T09:59:00Z")
+NOW = ts("2026-03-01T12:00:00Z")
+RUNNING_SINCE_T0 = {"phase": "Running", "conditions": [cond("Running", "True", T0)]}
+
+
+def seen(phase: str, entered: float) -> metrics.JobSeries:
+    return metrics.JobSeries("team-a", "sft", phase, entered, 0, None, None)
+
+
 @pytest.mark.parametrize(
-    ("status", "expected"),
+    ("status", "previous", "expected"),
     [
-        (None, ts("2026-03-01T09:59:00Z")),  # no status yet: created
-        ({"phase": "Pending", "conditions": []}, ts("2026-03-01T09:59:00Z")),
-        (
-            {"phase": "Pending", "conditions": [cond("Running", "False", T0)]},
-            ts(T0),
-        ),
+        # First seen (the operator just started): from the status.
+        (None, None, CREATED),  # no status yet: created
+        ({"phase": "Pending", "conditions": []}, None, CREATED),
+        ({"phase": "Pending", "conditions": [cond("Running", "False", T0)]}, None, ts(T0)),
         (
             # Queued -> Running: Queued flipped to False when Running flipped to True.
             {
                 "phase": "Running",
                 "conditions": [cond("Queued", "False", T1), cond("Running", "True", T1)],
             },
+            None,
             ts(T1),
         ),
         (
@@ -55,16 +65,37 @@ def cond(ctype: str, status: str, when: str) -> dict[str, str]:
                 "phase": "Pending",
                 "conditions": [cond("Queued", "False", T0), cond("Running", "False", T1)],
             },
+            None,
             ts(T1),
         ),
         (
             {"phase": "Queued", "conditions": [cond("Queued", "True", "not a time")]},
-            ts("2026-03-01T09:59:00Z"),
+            None,
+            CREATED,
         ),
+        # Restarting keeps Running=True: its conditions date the run, not the restart.
+        ({**RUNNING_SINCE_T0, "phase": "Restarting"}, None, NOW),
+        # Seen before: the same phase keeps its time; a flip since dates the new phase.
+        (RUNNING_SINCE_T0, seen("Running", ts(T0)), ts(T0)),
+        (
+            {
+                "phase": "Pending",
+                "conditions": [cond("Queued", "False", T1), cond("Running", "False", T1)],
+            },
+            seen("Queued", ts(T0)),
+            ts(T1),
+        ),
+        # Running -> Restarting moves no condition: now.
+        ({**RUNNING_SINCE_T0, "phase": "Restarting"}, seen("Running", ts(T0)), NOW),
+        ({**RUNNING_SINCE_T0, "phase": "Restarting"}, seen("Restarting", NOW - 60), NOW - 60),
+        # Restarting -> Running again, conditions still those of the first run: now.
+        (RUNNING_SINCE_T0, seen("Restarting", NOW - 60), NOW),
     ],
 )
-def test_phase_entered(status: dict[str, Any] | None, expected: float) -> None:
-    assert metrics.phase_entered(job(status)) == expected
+def test_phase_entered(
+    status: dict[str, Any] | None, previous: metrics.JobSeries | None, expected: float
+) -> None:
+    assert metrics.phase_entered(job(status), previous, NOW) == expected
 
 
 @pytest.mark.parametrize(
@@ -140,6 +171,13 @@ def test_series_follow_the_job_and_go_with_it() -> None:
     assert sample("posttrain_job_restarts", **labels) == 1
     assert sample("posttrain_job_progress_ratio", **labels) == 0.25
     assert sample("posttrain_job_tokens_per_second", **labels) == 100.0
+
+    restarting = copy.deepcopy(running)
+    restarting["status"].update(phase="Restarting", restarts=2)
+    before = time.time()
+    metrics.observe_job_series(restarting)  # the Running condition did not move
+    assert sample(entered, **labels, phase="Restarting") >= before
+    assert sample("posttrain_job_restarts", **labels) == 2
 
     done = job({"phase": "Succeeded", "conditions": [cond("Succeeded", "True", T1)]}, "gauges")
     metrics.observe_job_series(done)

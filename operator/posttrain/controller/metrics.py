@@ -70,9 +70,7 @@ def _timestamp(text: Any) -> float | None:
         return None
 
 
-def phase_entered(body: dict[str, Any]) -> float | None:
-    """When the job entered its phase (Unix time): the newest lastTransitionTime of its
-    conditions (every phase change flips one), or its creation before it has any."""
+def _newest_transition(body: dict[str, Any]) -> float | None:
     times = [
         t
         for c in (body.get("status") or {}).get("conditions") or []
@@ -81,11 +79,32 @@ def phase_entered(body: dict[str, Any]) -> float | None:
     return max(times) if times else _timestamp(body.get("metadata", {}).get("creationTimestamp"))
 
 
-def job_series(body: dict[str, Any]) -> JobSeries | None:
+def phase_entered(body: dict[str, Any], previous: JobSeries | None, now: float) -> float | None:
+    """When the job entered its phase (Unix time), given what the operator last saw of it
+    (`previous`, None since it started) and the time now.
+
+    The newest lastTransitionTime of its conditions (or its creation before it has any):
+    entering a phase flips a condition, and the status survives an operator restart or
+    a new leader. Restarting flips none (the Running condition stays True across a
+    restart), so a phase change that moved no condition is dated now, and so is a job
+    first seen Restarting (the restart's own time is in no status field: an alert waits
+    a whole threshold rather than firing early)."""
+    phase = (body.get("status") or {}).get("phase") or "Pending"
+    flipped = _newest_transition(body)
+    if previous is None:
+        return now if phase == "Restarting" else flipped
+    if flipped is not None and flipped > previous.phase_entered:
+        return flipped  # a transition since (even one whose events were missed)
+    return previous.phase_entered if previous.phase == phase else now
+
+
+def job_series(
+    body: dict[str, Any], previous: JobSeries | None = None, now: float | None = None
+) -> JobSeries | None:
     """The per-job gauges of a PostTrainJob, or None once it is no longer active."""
     status = body.get("status") or {}
     phase = status.get("phase") or "Pending"
-    entered = phase_entered(body)
+    entered = phase_entered(body, previous, time.time() if now is None else now)
     if phase not in ACTIVE_PHASES or entered is None:
         return None
     progress = status.get("progress") or {}
@@ -140,8 +159,9 @@ def observe_job(uid: str, phase: str) -> None:
 
 def observe_job_series(body: dict[str, Any]) -> None:
     """Set the per-job gauges from a PostTrainJob (drops them once it has finished)."""
+    uid = body["metadata"]["uid"]
     with _lock:
-        _set_series(body["metadata"]["uid"], job_series(body))
+        _set_series(uid, job_series(body, _series.get(uid)))
 
 
 def forget_job(uid: str) -> None:
