@@ -193,13 +193,14 @@ def test_promtool_check_rules(tmp_path: Path) -> None:
 
 def test_promtool_job_waiting_alerts(tmp_path: Path) -> None:
     """A job Pending since t=0 alerts after 15 minutes (900 s) and not before; it stops
-    once it leaves Pending. A job Queued since t=10m alerts after an hour in the queue. A
+    once it leaves Pending. So does a job Restarting (its pods not back) since t=40m. A job Queued since t=10m alerts after an hour in the queue. A
     series of another install (namespace) never alerts here."""
     entered = "posttrain_job_phase_entered_timestamp_seconds"
     pending = {
         "severity": "warning",
         "job_namespace": "team-a",
         "job_name": "sft",
+        "phase": "Pending",
     }
     tests = [
         {
@@ -213,6 +214,11 @@ def test_promtool_job_waiting_alerts(tmp_path: Path) -> None:
                 {
                     "series": f'{entered}{{{JOB},phase="Running",{OPERATOR}}}',
                     "values": "_x31 1860x60",
+                },
+                # Restarting since t=40m (2400 s), for 20 minutes.
+                {
+                    "series": f'{entered}{{job_namespace="team-a",job_name="grpo",phase="Restarting",{OPERATOR}}}',
+                    "values": "_x40 2400x20 stale",
                 },
                 # Queued since t=10m (600 s).
                 {
@@ -234,14 +240,28 @@ def test_promtool_job_waiting_alerts(tmp_path: Path) -> None:
                     {
                         "exp_labels": pending,
                         "exp_annotations": {
-                            "summary": "PostTrainJob Pending (not running) longer than 900s",
+                            "summary": "PostTrainJob admitted but not running longer than 900s",
                             "description": "PostTrainJob team-a/sft has been Pending for 16m 0s;"
                             " kubectl describe ptj -n team-a sft says why (scheduling, image"
                             " pull, container state).",
                         },
                     },
                 ),
-                alerts_at(40, "PostTrainJobPendingTooLong"),  # Running since 31m
+                # Running since 31m; a restart at 40m has its pods back at 50m.
+                alerts_at(50, "PostTrainJobPendingTooLong"),
+                alerts_at(
+                    56,
+                    "PostTrainJobPendingTooLong",
+                    {
+                        "exp_labels": {**pending, "job_name": "grpo", "phase": "Restarting"},
+                        "exp_annotations": {
+                            "summary": "PostTrainJob admitted but not running longer than 900s",
+                            "description": "PostTrainJob team-a/grpo has been Restarting for"
+                            " 16m 0s; kubectl describe ptj -n team-a grpo says why (scheduling,"
+                            " image pull, container state).",
+                        },
+                    },
+                ),
                 alerts_at(69, "PostTrainJobQueuedTooLong"),
                 alerts_at(
                     71,
