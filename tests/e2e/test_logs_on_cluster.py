@@ -16,49 +16,11 @@ from pathlib import Path
 
 import pytest
 from invalid_jobs import valid_job
+from jobset_objects import jobset, trainer_pod
 
 from tests.cluster import Cluster, control_plane, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-
-def jobset(name: str) -> dict:
-    pod_template = {
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer", "image": "t"}]}
-    }
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name},
-        "spec": {
-            "suspend": True,
-            "replicatedJobs": [
-                {"name": "slice", "replicas": 1, "template": {"spec": {"template": pod_template}}}
-            ],
-        },
-    }
-
-
-def trainer_pod(name: str, jobset_name: str, attempt: int) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "jobset.sigs.k8s.io/jobset-name": jobset_name,
-                "jobset.sigs.k8s.io/replicatedjob-name": "slice",
-                "jobset.sigs.k8s.io/job-index": "0",
-                "jobset.sigs.k8s.io/restart-attempt": str(attempt),
-                "batch.kubernetes.io/job-completion-index": "0",
-            },
-        },
-        "spec": {
-            "containers": [{"name": "trainer", "image": "t"}],
-            "nodeSelector": {"type": "kwok"},
-            "tolerations": [{"operator": "Exists"}],
-        },
-    }
 
 
 def logs_command(cluster: Cluster, *args: str, **kwargs) -> subprocess.Popen:
@@ -78,9 +40,18 @@ def cri_line(text: str) -> str:
 
 def test_logs_stream_from_the_kubelet(cluster: Cluster, namespace: str, tmp_path: Path):
     cluster.apply(valid_job("logs-job"), namespace)
-    cluster.apply(jobset("logs-job"), namespace)
+    cluster.apply(jobset("logs-job", suspend=True), namespace)
     for name, attempt in (("old-0", 0), ("new-0", 1)):
-        cluster.apply(trainer_pod(name, "logs-job", attempt), namespace)
+        cluster.apply(
+            trainer_pod(
+                name,
+                "logs-job",
+                attempt,
+                nodeSelector={"type": "kwok"},
+                tolerations=[{"operator": "Exists"}],
+            ),
+            namespace,
+        )
     wait_for(
         lambda: cluster.core.read_namespaced_pod("new-0", namespace).status.phase == "Running",
         timeout=60,

@@ -105,51 +105,35 @@ def test_explain_reads_descriptions(apiserver: Cluster):
 
 def test_immutable_fields_refused_mutable_ones_allowed(apiserver: Cluster, namespace: str):
     _create(apiserver, valid_job("immutable"), namespace)
-    bad = apiserver.kubectl(
-        "patch",
-        "ptj",
-        "immutable",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"model": {"source": "/models/other"}}}),
-        check=False,
-    )
+
+    def patch(spec: dict, check: bool):
+        return apiserver.kubectl(
+            "patch",
+            "ptj",
+            "immutable",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": spec}),
+            check=check,
+        )
+
+    bad = patch({"model": {"source": "/models/other"}}, check=False)
     assert bad.returncode != 0
     assert "spec.model cannot change after the job is created" in bad.stderr
     # The pods' PriorityClass is part of the JobSet's pod templates, which cannot change.
-    bad = apiserver.kubectl(
-        "patch",
-        "ptj",
-        "immutable",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"scheduling": {"priorityClass": "other"}}}),
-        check=False,
-    )
+    bad = patch({"scheduling": {"priorityClass": "other"}}, check=False)
     assert bad.returncode != 0
     assert "spec.scheduling.priorityClass cannot change" in bad.stderr
-    ok = apiserver.kubectl(
-        "patch",
-        "ptj",
-        "immutable",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps(
-            {
-                "spec": {
-                    "scheduling": {
-                        "suspend": True,
-                        "workloadPriorityClass": "low",
-                        "ttlSecondsAfterFinished": 60,
-                    }
-                }
+    ok = patch(
+        {
+            "scheduling": {
+                "suspend": True,
+                "workloadPriorityClass": "low",
+                "ttlSecondsAfterFinished": 60,
             }
-        ),
+        },
+        check=True,
     )
     assert "patched" in ok.stdout

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from invalid_jobs import valid_job
+from jobset_objects import jobset, trainer_pod
 
 from tests.cluster import Cluster
 
@@ -24,45 +25,6 @@ def posttrain_logs(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=60,
     )
-
-
-def jobset(name: str) -> dict:
-    pod_template = {
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer", "image": "t"}]}
-    }
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name},
-        "spec": {
-            "replicatedJobs": [
-                {"name": "slice", "replicas": 1, "template": {"spec": {"template": pod_template}}}
-            ]
-        },
-    }
-
-
-def trainer_pod(name: str, jobset_name: str, attempt: int, index: int) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "jobset.sigs.k8s.io/jobset-name": jobset_name,
-                "jobset.sigs.k8s.io/replicatedjob-name": "slice",
-                "jobset.sigs.k8s.io/job-index": "0",
-                "jobset.sigs.k8s.io/restart-attempt": str(attempt),
-                "batch.kubernetes.io/job-completion-index": str(index),
-            },
-        },
-        # No node matches: the pod stays Pending even where a scheduler runs, and the API
-        # server never asks a kubelet for its log.
-        "spec": {
-            "containers": [{"name": "trainer", "image": "t"}],
-            "nodeSelector": {"posttrain.dev/test": "no-such-node"},
-        },
-    }
 
 
 def test_logs_picks_process_zero_of_the_newest_attempt(apiserver: Cluster, namespace: str):
@@ -83,7 +45,12 @@ def test_logs_picks_process_zero_of_the_newest_attempt(apiserver: Cluster, names
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}, namespace
     )
     for name, attempt, index in (("old-0", 0, 0), ("new-1", 1, 1), ("new-0", 1, 0)):
-        apiserver.apply(trainer_pod(name, "logs-job", attempt, index), namespace)
+        # No node matches: the pod stays Pending even where a scheduler runs, and the API
+        # server never asks a kubelet for its log.
+        nowhere = {"posttrain.dev/test": "no-such-node"}
+        apiserver.apply(
+            trainer_pod(name, "logs-job", attempt, index, nodeSelector=nowhere), namespace
+        )
     out = posttrain_logs(apiserver, "logs-job", "-n", namespace)
     assert out.returncode == 1, out
     # Process 0 of restart attempt 1, which no node runs yet: one line saying so.
