@@ -348,6 +348,15 @@ def _adapted_maps(model: nnx.Module, info: models.ModelInfo):
     return out
 
 
+def _peft_naming(info: models.ModelInfo) -> models.ModelInfo:
+    """``info`` naming modules as PEFT finds them on the transformers model: a model with
+    Gemma 3's vision tower is a ``Gemma3ForConditionalGeneration``, whose decoder is
+    ``model.language_model`` whatever layout its checkpoint was saved in."""
+    if getattr(info, "vision", None) is None:
+        return info
+    return dataclasses.replace(info, hf_prefix="model.language_model.")
+
+
 def _hf_module(source: str) -> str:
     return source.removesuffix(".weight")
 
@@ -356,7 +365,7 @@ def peft_tensors(
     model: nnx.Module, info: models.ModelInfo | None = None
 ) -> dict[str, Callable[[], np.ndarray]]:
     """PEFT key -> producer of the ``lora_A`` ([r, in]) / ``lora_B`` ([out, r]) tensor."""
-    info = info or info_from_model(model)
+    info = _peft_naming(info or info_from_model(model))
     out: dict[str, Callable[[], np.ndarray]] = {}
     for m, a_var, b_var in _adapted_maps(model, info):
         n = len(m.sources)
@@ -421,7 +430,7 @@ def save_peft_adapter(
     """Writes the model's LoRA as a PEFT adapter (``adapter_model.safetensors`` +
     ``adapter_config.json``) that ``peft.PeftModel.from_pretrained`` loads onto the HF
     base model. Only process 0 writes; every process must call it."""
-    info = info or info_from_model(model)
+    info = _peft_naming(info or info_from_model(model))
     settings = settings_of(model)
     tensors = peft_tensors(model, info)
     values = {k: produce() for k, produce in sorted(tensors.items())}  # gathers on all hosts
@@ -484,7 +493,7 @@ def load_peft_adapter(
             f"{RESTORE_FIELD}: adapter has r={cfg['r']}, lora_alpha={cfg['lora_alpha']}; "
             f"spec.lora has rank={settings.rank}, alpha={settings.alpha}"
         )
-    info = info or info_from_model(model)
+    info = _peft_naming(info or info_from_model(model))
     with safe_open(str(weights_path), framework="numpy") as f:
         tensors = {re.sub(r"\.default(?=\.weight$)", "", k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     used: set[str] = set()
