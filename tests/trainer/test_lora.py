@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import FIXTURE_FAMILY, FIXTURES, fixture_loader
 from safetensors.numpy import load_file
 
 from posttrain.trainer import lora as lora_lib
@@ -24,10 +23,6 @@ from posttrain.trainer.models.saving import save_hf
 
 pytestmark = pytest.mark.trainer
 
-FIXTURES = Path(__file__).parent / "fixtures"
-FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "gemma3")
-# fixture directory -> family; gemma3-mha has as many kv heads as query heads (fused qkv)
-FIXTURE_FAMILY = {**{f: f for f in FAMILIES}, "gemma3-mha": "gemma3"}
 RANK, ALPHA = 4, 8.0
 TOL = 1e-4
 LLAMA_LIKE = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj")
@@ -37,14 +32,7 @@ MLP = ("mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
 
 @pytest.fixture(scope="module")
 def base():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = models.load_model(FIXTURES / family, dtype=jnp.float32)
-        return cache[family]
-
-    return get
+    return fixture_loader()
 
 
 def expected_paths(family: str, layers=(0, 1), modules=None) -> set[str]:

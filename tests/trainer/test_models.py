@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_fixtures import FIXTURE_FAMILY, FIXTURES, fixture_loader
 
 from posttrain.trainer import models
 from posttrain.trainer.models.saving import save_hf
@@ -28,10 +29,6 @@ from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer
 
-FIXTURES = Path(__file__).parent / "fixtures"
-FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "gemma3")
-# fixture directory -> family; gemma3-mha has as many kv heads as query heads (fused qkv)
-FIXTURE_FAMILY = {**{f: f for f in FAMILIES}, "gemma3-mha": "gemma3"}
 TOL = 1e-4
 
 
@@ -42,14 +39,7 @@ def golden(family: str):
 
 @pytest.fixture(scope="module")
 def loaded():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = models.load_model(FIXTURES / family, dtype=jnp.float32)
-        return cache[family]
-
-    return get
+    return fixture_loader()
 
 
 @pytest.mark.parametrize("fixture", FIXTURE_FAMILY)

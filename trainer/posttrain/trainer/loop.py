@@ -43,11 +43,11 @@ from posttrain.trainer import (
     sft,
     sources,
     storage,
-    vision,
 )
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.models import vision
 from posttrain.trainer.models.saving import save_hf
 from posttrain.trainer.progress import Progress, StatusWriter
 

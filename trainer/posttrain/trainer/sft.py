@@ -36,7 +36,7 @@ def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array
     ids = batch["input_ids"]
     mask, extra = attention_mask(batch["segment_ids"]), {}
     if "images" in batch:  # Gemma 3 vision: the images' soft tokens see each other
-        from posttrain.trainer import vision
+        from posttrain.trainer.models import vision
 
         mask = mask | vision.image_blocks(ids, vision.image_token_id(model))
         extra["images"] = batch["images"]

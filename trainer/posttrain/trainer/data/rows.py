@@ -307,9 +307,9 @@ def build_rows(spec: Any, tokenizer: Tokenizer, ds: RawDataset | None = None) ->
     if technique == "grpo":
         return PromptRows(ds, tokenizer, columns=data.columns, chat_template=data.chat_template)
     if getattr(data.columns, "images", None):  # multimodal SFT (Gemma 3 vision)
-        from posttrain.trainer import image_data
+        from posttrain.trainer.data import image_rows
 
-        return image_data.rows_from_spec(spec, tokenizer, ds)
+        return image_rows.rows_from_spec(spec, tokenizer, ds)
     examples = tokenize_sft(
         ds,
         tokenizer,

@@ -6,7 +6,8 @@ Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` rea
 - ``families``: the family table (HF ``model_type``/``architectures`` names, Tunix classes);
 - ``rope``: the RoPE fix (Tunix's llama3/qwen3 attention with config.json's frequencies);
 - ``config``: config.json -> family, Tunix ``ModelConfig`` and ``ModelInfo``;
-- ``params``: which HF tensor(s) each Tunix parameter is made of;
+- ``param_map``, ``params``: which HF tensor(s) each Tunix parameter is made of;
+- ``vision``: Gemma 3's vision tower and projector (loaded with ``vision=True``);
 - ``safetensors_io``: reading safetensors a slice at a time, writing them a tensor at a time;
 - ``loading``: a checkpoint into a sharded model, each host reading only its shards;
 - ``generation``: the forward pass and greedy generation;
@@ -40,7 +41,8 @@ from posttrain.trainer.models.generation import (
     init_cache,
 )
 from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
-from posttrain.trainer.models.params import ParamMap, param_maps
+from posttrain.trainer.models.param_map import ParamMap
+from posttrain.trainer.models.params import param_maps
 from posttrain.trainer.models.rope import rope_inv_freq
 from posttrain.trainer.models.safetensors_io import host_array, write_safetensors
 

@@ -47,7 +47,7 @@ class ModelInfo:
     layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     compute_dtype: Any = None  # of the forward pass (see compute_view)
-    vision: Any = None  # posttrain.trainer.vision.VisionInfo when the vision tower is loaded
+    vision: Any = None  # posttrain.trainer.models.vision.VisionInfo when the vision tower is loaded
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
@@ -195,6 +195,15 @@ def build_config(
     if hf.get("attention_bias"):
         raise _unsupported(family, "attention_bias")
     scalar = float(hf.get("query_pre_attn_scalar") or head_dim)
+    shape = dict(
+        num_layers=n,
+        num_embed=vocab,
+        embed_dim=d,
+        hidden_dim=ffw,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv,
+    )
     window = hf.get("sliding_window")
     if family == "gemma2":
         theta, scaling = rope_of(hf)
@@ -209,13 +218,7 @@ def build_config(
             for t in layer_types
         )
         cfg = gemma2_lib.ModelConfig(
-            num_layers=n,
-            num_embed=vocab,
-            embed_dim=d,
-            hidden_dim=ffw,
-            num_heads=heads,
-            head_dim=head_dim,
-            num_kv_heads=kv,
+            **shape,
             final_logit_softcap=hf.get("final_logit_softcapping"),
             use_post_attn_norm=True,
             use_post_ffw_norm=True,
@@ -247,13 +250,7 @@ def build_config(
         return float(scaling["factor"])
 
     cfg = gemma3_lib.ModelConfig(
-        num_layers=n,
-        num_embed=vocab,
-        embed_dim=d,
-        hidden_dim=ffw,
-        num_heads=heads,
-        head_dim=head_dim,
-        num_kv_heads=kv,
+        **shape,
         sliding_window_size=window,
         local_base_frequency=local_theta,
         global_base_frequency=global_theta,
@@ -277,7 +274,7 @@ def model_info(
 ) -> tuple[ModelInfo, dict]:
     """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights.
     ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors);
-    ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.vision``)."""
+    ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.models.vision``)."""
     model_dir = Path(model_dir)
     if family in (None, "", "auto"):
         family = detect_family(model_dir)
@@ -309,7 +306,7 @@ def model_info(
         compute_dtype=jnp.dtype(compute_dtype),
     )
     if vision:
-        from posttrain.trainer import vision as vision_lib
+        from posttrain.trainer.models import vision as vision_lib
 
         info.vision = vision_lib.require_vision_info(read_hf_config(model_dir), family, model_dir)
         info.config = vision_lib.with_vision(info.config, info.vision)

@@ -108,7 +108,7 @@ def load_model(
     are dropped for it); every callback reads only its block from the safetensors files.
     ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
     blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
-    ``vision`` loads Gemma 3's vision tower and projector too (``posttrain.trainer.vision``).
+    ``vision`` loads Gemma 3's vision tower and projector too (``posttrain.trainer.models.vision``).
     """
     info, extras = model_info(
         model_dir,
@@ -124,7 +124,7 @@ def load_model(
     try:
         info.hf_prefix = detect_prefix(reader.keys())
         if info.vision is not None:
-            from posttrain.trainer import vision as vision_lib
+            from posttrain.trainer.models import vision as vision_lib
 
             info.vision = vision_lib.with_prefixes(info.vision, reader.keys())
         model = abstract_model(info, extras, mesh)

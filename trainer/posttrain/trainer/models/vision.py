@@ -181,7 +181,7 @@ def with_vision(config: Any, vi: VisionInfo) -> Any:
 
 def param_maps(vi: VisionInfo, text_hidden: int) -> list:
     """The ParamMaps of the vision tower and the projector (HF tensor -> Tunix param)."""
-    from posttrain.trainer.models import ParamMap
+    from posttrain.trainer.models.param_map import ParamMap
 
     t, pj = vi.tower_prefix, vi.projector_prefix
     w, f, c, p = vi.width, vi.mlp_dim, vi.num_channels, vi.patch_size
@@ -265,14 +265,14 @@ def image_blocks(tokens: jax.Array, image_token_id: int) -> jax.Array:
 def attention_mask(tokens: jax.Array, input_mask: jax.Array, image_token_id: int) -> jax.Array:
     """[B, T] tokens and padding mask -> [B, T, T]: causal, and each image's soft tokens
     attending to each other both ways (as transformers does from token_type_ids)."""
-    from posttrain.trainer.models import causal_mask
+    from posttrain.trainer.models.generation import causal_mask
 
     return causal_mask(input_mask) | image_blocks(tokens, image_token_id)
 
 
 @nnx.jit
 def _forward(model, tokens, positions, mask, images):
-    from posttrain.trainer.models import compute_view
+    from posttrain.trainer.models.generation import compute_view
 
     logits, _ = compute_view(model)(tokens, positions, None, mask, images=images)
     return logits.astype(jnp.float32)

@@ -41,7 +41,7 @@ _RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "
 
 
 def _data_error(message: str) -> Exception:
-    from posttrain.trainer.data import DataError
+    from posttrain.trainer.data.errors import DataError
 
     return DataError(message)
 
@@ -276,14 +276,15 @@ def tokenize_with_images(
     ``{"type": "image"}`` parts. The loss is on the assistant turns only (everything
     when ``completion_only_loss`` is false), and never on an image's tokens (begin,
     soft tokens, end)."""
-    from posttrain.trainer import data
+    from posttrain.trainer.data.formatting import render_conversation
+    from posttrain.trainer.data.tokenizing import encoding_span_mask
 
-    text, spans, _ = data.render_conversation(template, conversation, where)
+    text, spans, _ = render_conversation(template, conversation, where)
     text, spans, n_images = expand_with_spans(text, spans, tokens_per_image)
     enc = tokenizer.encode_batch([text])[0]
     ids = np.asarray(enc.ids, dtype=np.int32)
     if completion_only_loss:
-        mask = data.encoding_span_mask(enc, spans)
+        mask = encoding_span_mask(enc, spans)
     else:
         mask = np.ones(len(ids), dtype=np.int32)
     mask = np.where(np.isin(ids, image_token_ids(tokenizer)), 0, mask).astype(np.int32)

@@ -16,8 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.trainer import data, images
-from posttrain.trainer.vision import VisionInfo
+from posttrain.trainer.data import images
+from posttrain.trainer.data.errors import DataError
+from posttrain.trainer.data.formatting import sft_conversations
+from posttrain.trainer.data.reading import RawDataset
+from posttrain.trainer.data.tokenizer import Tokenizer
+from posttrain.trainer.models.vision import VisionInfo
 
 Batch = dict[str, np.ndarray]
 
@@ -35,8 +39,8 @@ class ImageSftRows:
 
     def __init__(
         self,
-        ds: data.RawDataset,
-        tokenizer: data.Tokenizer,
+        ds: RawDataset,
+        tokenizer: Tokenizer,
         vision: VisionInfo,
         processor: images.ImageProcessor,
         *,
@@ -56,7 +60,7 @@ class ImageSftRows:
         template = tokenizer.template(chat_template)
         soft = images.image_token_ids(tokenizer)[1]
         if soft != vision.image_token_id:
-            raise data.DataError(
+            raise DataError(
                 f"{tokenizer.origin}: the tokenizer's {images.IMAGE_TOKEN} is id {soft}, "
                 f"config.json's image_token_index is {vision.image_token_id}"
             )
@@ -64,7 +68,7 @@ class ImageSftRows:
         self._mask: list[np.ndarray] = []
         self._images: list[list[Any]] = []
         self._rows: list[int] = []
-        for i, conv in enumerate(data.sft_conversations(ds, columns)):
+        for i, conv in enumerate(sft_conversations(ds, columns)):
             where = ds.where(i)
             ids, mask, n = images.tokenize_with_images(
                 tokenizer,
@@ -77,14 +81,14 @@ class ImageSftRows:
             values = _image_values(ds.rows[i].get(self.column)) if n else []
             values = [v for v in values if v is not None]
             if len(values) != n:
-                raise data.DataError(
+                raise DataError(
                     f"{where}: column {self.column!r} (spec.data.columns.images) holds "
                     f"{len(values)} image(s), the messages have {n} image part(s)"
                 )
             if len(ids) > max_length:
                 cut = ids[max_length:]
                 if np.isin(cut, images.image_token_ids(tokenizer)).any():
-                    raise data.DataError(
+                    raise DataError(
                         f"{where}: spec.data.maxLength={max_length} cuts into an image's "
                         f"{vision.tokens_per_image} tokens ({len(ids)} tokens); raise maxLength"
                     )
@@ -96,7 +100,7 @@ class ImageSftRows:
             self._images.append(values)
             self._rows.append(i)
         if not self._rows:
-            raise data.DataError(
+            raise DataError(
                 f"{ds.source}: no example has completion tokens within spec.data.maxLength="
                 f"{max_length}; raise maxLength"
             )
@@ -142,18 +146,17 @@ class ImageSftRows:
         }
 
 
-def rows_from_spec(spec: Any, tokenizer: data.Tokenizer, ds: data.RawDataset) -> ImageSftRows:
+def rows_from_spec(spec: Any, tokenizer: Tokenizer, ds: RawDataset) -> ImageSftRows:
     """The rows of a PostTrainJobSpec with spec.data.columns.images: the vision settings
     and the image processor come from the model directory the tokenizer was read from."""
-    from posttrain.trainer import models, vision
+    from posttrain.trainer import models
+    from posttrain.trainer.models import vision
 
     config = models.read_hf_config(tokenizer.origin)
     family = models.detect_family(tokenizer.origin)
     vi = vision.require_vision_info(config, family, tokenizer.origin)
     if spec.data.packing:
-        raise data.DataError(
-            "spec.data.packing: rows with images are not packed; set packing to false"
-        )
+        raise DataError("spec.data.packing: rows with images are not packed; set packing to false")
     return ImageSftRows(
         ds,
         tokenizer,
