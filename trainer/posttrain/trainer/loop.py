@@ -106,7 +106,10 @@ def _global_batch(
 
 
 def _trainable(model: nnx.Module, wrt: Any, opt: nnx.Optimizer) -> dict[str, Any]:
-    return {"params": nnx.state(model, wrt).to_pure_dict(), "opt": nnx.state(opt).to_pure_dict()}
+    return {
+        "params": nnx.to_pure_dict(nnx.state(model, wrt)),
+        "opt": nnx.to_pure_dict(nnx.state(opt)),
+    }
 
 
 def _restore_into(
@@ -519,7 +522,10 @@ def _read_goodput(spec: Any) -> goodput.Ledger:
     path = storage.join(spec.output.uri, goodput.RECORD)
     try:
         text = storage.read_text(path)
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return goodput.Ledger()
+    except Exception as e:  # noqa: BLE001 - accounting is best effort, like status
+        log.warning("cannot read %s (%s); goodput restarts from this attempt", path, e)
         return goodput.Ledger()
     try:
         return goodput.Ledger.from_json(text)
@@ -535,7 +541,7 @@ def _write_goodput(spec: Any, ledger: goodput.Ledger, is_main: bool) -> None:
     ledger.last_seen = time.time()
     try:
         storage.write_text(storage.join(spec.output.uri, goodput.RECORD), ledger.to_json())
-    except OSError as e:  # best effort, like status
+    except Exception as e:  # noqa: BLE001 - accounting is best effort, like status
         log.warning("cannot record goodput: %s", e)
 
 
