@@ -8,6 +8,7 @@ kwok ends a trainer pod according to its image tag (scripts/control-plane/kwok-s
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -429,3 +430,92 @@ def test_inactive_cluster_queue_says_why(cluster: Cluster, namespace: str, opera
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(objects)
+
+
+class PhaseWatch:
+    """Every phase a job's status passes through, in order, from a watch of the job (a
+    poll could miss a short one)."""
+
+    def __init__(self, cluster: Cluster, namespace: str, name: str):
+        from kubernetes import client, config
+
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        self.custom, self.api = client.CustomObjectsApi(api), api
+        self.namespace, self.name = namespace, name
+        self.phases: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        version = None
+        while not self.done.is_set():
+            stream = watch.Watch().stream(
+                self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                PLURAL, field_selector=f"metadata.name={self.name}", timeout_seconds=2,
+                **({"resource_version": version} if version else {}),
+            )  # fmt: skip
+            for event in stream:
+                body = event["object"]
+                version = body["metadata"]["resourceVersion"]
+                phase = (body.get("status") or {}).get("phase")
+                if phase and (not self.phases or self.phases[-1] != phase):
+                    self.phases.append(phase)
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self.thread.join(10)
+        self.api.close()
+        return self.phases
+
+
+def is_subsequence(seen: list[str], of: list[str]) -> bool:
+    rest = iter(of)
+    return all(p in rest for p in seen)
+
+
+def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace: str, operator):
+    """A user's suspend of a job Kueue admitted and that runs: Suspended (its pods go,
+    Kueue gives its quota back); resume: Queued until Kueue admits it again, then
+    Pending and Running. Every phase the job passes through is in that order, none twice
+    in a row of flips."""
+    queue = cluster.tpu_queue(namespace, "tpu", chips=8)
+    watch = PhaseWatch(cluster, namespace, "pausing")
+    patch = '{"spec":{"scheduling":{"suspend":%s}}}'
+    try:
+        tpu_job(cluster, namespace, "pausing", "posttrain-trainer:long", queue="tpu")
+        wait_for(
+            lambda: status(cluster, namespace, "pausing").get("phase") == "Running", timeout=60
+        )
+        cluster.kubectl(
+            "patch", "ptj", "pausing", "-n", namespace, "--type=merge", "-p", patch % "true"
+        )
+        wait_for(
+            lambda: status(cluster, namespace, "pausing").get("phase") == "Suspended", timeout=30
+        )
+        wait_for(
+            lambda: not [p for p in pods(cluster, namespace) if not p.metadata.deletion_timestamp],
+            timeout=30,
+            what="pods removed while suspended",
+        )
+        row = get_row(cluster, namespace, "pausing")
+        assert row.split()[4] == "Suspended" and "suspended by spec.scheduling.suspend" in row
+        cluster.kubectl(
+            "patch", "ptj", "pausing", "-n", namespace, "--type=merge", "-p", patch % "false"
+        )
+        wait_for(
+            lambda: status(cluster, namespace, "pausing").get("phase") == "Running", timeout=60
+        )
+        time.sleep(2)  # nothing moves it from Running now
+        seen = watch.stop()
+    finally:
+        watch.stop()
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all(queue)
+    expected = ["Pending", "Queued", "Pending", "Running", "Suspended", "Queued", "Pending"]
+    assert is_subsequence(seen, [*expected, "Running"]), " ".join(seen)  # once each, in order
+    first_run = seen.index("Running")
+    assert seen[first_run : first_run + 2] == ["Running", "Suspended"], seen
+    assert seen[-1] == "Running", seen

@@ -325,6 +325,7 @@ ALLOWED = [
     ("watch", "pods", "-"),
     ("list", "workloads.kueue.x-k8s.io", "-"),
     ("watch", "workloads.kueue.x-k8s.io", "-"),
+    ("patch", "workloads.kueue.x-k8s.io", "other"),
     ("list", "clusterqueues.kueue.x-k8s.io", "-"),
     ("watch", "clusterqueues.kueue.x-k8s.io", "-"),
 ]
@@ -344,7 +345,8 @@ DENIED = [
     ("patch", "pods", "other"),
     ("delete", "pods", "other"),
     ("update", "pods/status", "other"),
-    ("patch", "workloads.kueue.x-k8s.io", "other"),
+    ("delete", "workloads.kueue.x-k8s.io", "other"),
+    ("update", "workloads.kueue.x-k8s.io/status", "other"),
     ("patch", "clusterqueues.kueue.x-k8s.io", "-"),
     ("get", "pods/log", "other"),
     ("delete", "namespaces", "-"),

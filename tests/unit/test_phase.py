@@ -16,6 +16,7 @@ from posttrain.controller.phase import (
     status_reason,
     with_cluster_queue,
     without_workload,
+    workload_activation,
     workload_state,
 )
 
@@ -601,6 +602,10 @@ def test_running_job_does_not_flap_while_pods_finish():
 ADMITTED = workload(("QuotaReserved", "True", "QuotaReserved", ""), ("Admitted", "True", "A", ""))
 
 
+def named(wl, name="jobset-j-1"):
+    return {**wl, "metadata": {"name": name}}
+
+
 @pytest.mark.parametrize(
     "case,js,user_suspended,wl,phase",
     [
@@ -627,6 +632,27 @@ ADMITTED = workload(("QuotaReserved", "True", "QuotaReserved", ""), ("Admitted",
         ),
         ("user resumes, Kueue not yet", jobset(queue="q"), False, NO_QUOTA, "Queued"),
         ("admitted again, pods starting", jobset(active=1, queue="q"), False, ADMITTED, "Pending"),
+        (
+            "user suspends while running: Kueue starts it once more before it deactivates",
+            jobset(active=1, ready=1, queue="q"),
+            True,
+            named(ADMITTED),
+            "Suspended",
+        ),
+        (
+            "resumed and active again: Queued, not 'deactivated'",
+            jobset(suspend=True, queue="q"),
+            False,
+            named(workload(("Evicted", "True", "Deactivated", "The workload is deactivated"))),
+            "Queued",
+        ),
+        (
+            "user resumes: deactivated until the operator activates it",
+            jobset(queue="q"),
+            False,
+            named(workload(active=False)),
+            "Queued",
+        ),
     ],
 )
 def test_user_suspend_with_kueue(case, js, user_suspended, wl, phase):
@@ -786,3 +812,31 @@ def test_inactive_cluster_queue_says_why(case, wl, queues, message):
     state = with_cluster_queue(workload_state(wl), inactive.get)
     obs = phase_from(jobset(suspend=True, queue="tpu"), False, [], state)
     assert obs.phase == "Queued" and obs.message.startswith(message), obs
+
+
+@pytest.mark.parametrize(
+    "case,user_suspended,wl,active",
+    [
+        ("suspend an admitted job: deactivate", True, named(ADMITTED), False),
+        ("suspend a queued job: deactivate", True, named(NO_QUOTA), False),
+        ("suspended and deactivated: nothing", True, named(workload(active=False)), None),
+        ("resume: activate", False, named(workload(active=False)), True),
+        ("running and active: nothing", False, named(ADMITTED), None),
+        (
+            "active again, the old eviction not yet cleared: nothing",
+            False,
+            named(workload(("Evicted", "True", "Deactivated", "The workload is deactivated"))),
+            None,
+        ),
+        ("no Workload yet: nothing", True, None, None),
+    ],
+)
+def test_workload_follows_user_suspend(case, user_suspended, wl, active):
+    """Kueue starts a suspended JobSet it admitted: the user's suspend is the Workload's
+    spec.active (Kueue's own way to stop a job)."""
+    state = workload_state(wl) if wl is not None else None
+    assert workload_activation(user_suspended, state) is active
+    assert (
+        workload_activation(user_suspended, without_workload(classed(wpc="x"), set(), set()))
+        is None
+    )

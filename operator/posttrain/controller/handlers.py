@@ -34,6 +34,7 @@ from posttrain.controller.phase import (
     observation_patch,
     status_patch,
     status_reason,
+    workload_activation,
 )
 from posttrain.render import RenderConfig, render
 from posttrain.render.jobset import JOB_NAME_LABEL, scheduling_patch
@@ -140,6 +141,11 @@ def _write_status(
             watches.workload(indexes, ns, js),
         )
 
+    meta, spec = ptj["metadata"], ptj.get("spec") or {}
+    workload = watches.workload(indexes, meta["namespace"], jobset)
+    suspend = bool((spec.get("scheduling") or {}).get("suspend"))
+    if (active := workload_activation(suspend, workload)) is not None and workload:
+        kube.set_workload_active(meta["namespace"], workload.name, active)
     _write(ptj, decide)
 
 

@@ -184,6 +184,15 @@ def patch_jobset(namespace: str, name: str, patch: dict[str, Any]) -> None:
     )
 
 
+def set_workload_active(namespace: str, name: str, active: bool) -> None:
+    """Deactivate (or activate) a Kueue Workload: Kueue's way to stop a job it admitted."""
+    _call(
+        lambda: _custom().patch_namespaced_custom_object(
+            "kueue.x-k8s.io", "v1beta2", namespace, "workloads", name, {"spec": {"active": active}}
+        )
+    )
+
+
 def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     return _call(
         lambda: _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)

@@ -88,6 +88,8 @@ class WorkloadState:
     admitted: bool
     reason: str | None = None
     message: str | None = None
+    name: str | None = None  # None: Kueue has made none (see without_workload)
+    active: bool = True  # spec.active
 
 
 def _true(obj: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -196,21 +198,37 @@ def pod_state(pod: dict[str, Any]) -> PodState:
 def workload_state(workload: dict[str, Any]) -> WorkloadState:
     """The summary of a Kueue Workload that `phase_from` decides from: admitted, or why
     not, in Kueue's words (its QuotaReserved/Admitted/Evicted conditions)."""
+    name = (workload.get("metadata") or {}).get("name")
     if (workload.get("spec") or {}).get("active") is False:
-        return WorkloadState(False, "Deactivated", "the Workload is deactivated (spec.active)")
+        return WorkloadState(
+            False, "Deactivated", "the Workload is deactivated (spec.active)", name, False
+        )
     if _true(workload, "Admitted"):
-        return WorkloadState(True)
+        return WorkloadState(True, name=name)
     for ctype in ("Evicted", "Preempted"):
-        if c := _true(workload, ctype):
-            return WorkloadState(False, c.get("reason") or ctype, c.get("message"))
+        if (c := _true(workload, ctype)) and c.get("reason") != "Deactivated":
+            # (An eviction for a deactivation that is over stays until Kueue queues it.)
+            return WorkloadState(False, c.get("reason") or ctype, c.get("message"), name)
     for c in (workload.get("status") or {}).get("conditions") or []:
         if (
             c.get("type") in ("QuotaReserved", "Admitted")
             and c.get("status") == "False"
             and c.get("message")
         ):
-            return WorkloadState(False, c.get("reason") or "Pending", c["message"])
-    return WorkloadState(False)
+            return WorkloadState(False, c.get("reason") or "Pending", c["message"], name)
+    return WorkloadState(False, name=name)
+
+
+def workload_activation(user_suspended: bool, workload: WorkloadState | None) -> bool | None:
+    """The spec.active a job's Kueue Workload must be set to, or None when it is right.
+
+    Kueue starts a suspended job whose Workload it has admitted (it unsuspends the
+    JobSet), so spec.scheduling.suspend alone cannot stop a job Kueue manages: Kueue's
+    own way is to deactivate the Workload, which evicts it (the pods go, the quota is
+    given back) and keeps the JobSet suspended; active again, it queues anew."""
+    if workload is None or workload.name is None or workload.active != user_suspended:
+        return None
+    return not user_suspended
 
 
 INACTIVE_CLUSTER_QUEUE = re.compile(r"^ClusterQueue (\S+) is inactive$")
@@ -343,11 +361,15 @@ def phase_from(
                 Phase.failed, causes[0].reason, f"{causes[0].message} ({message})", restarts
             )
         return Observation(Phase.failed, c.get("reason") or "JobSetFailed", message, restarts)
+    if user_suspended and (
+        jobset.get("spec", {}).get("suspend") or (workload is not None and workload.name)
+    ):
+        # With Kueue, Suspended from the user's word on: Kueue may start the JobSet once
+        # more before it sees the Workload deactivated, and then stops it for good.
+        return Observation(
+            Phase.suspended, "Suspended", "suspended by spec.scheduling.suspend", restarts
+        )
     if jobset.get("spec", {}).get("suspend"):
-        if user_suspended:
-            return Observation(
-                Phase.suspended, "Suspended", "suspended by spec.scheduling.suspend", restarts
-            )
         if jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL):
             return _queued(jobset, workload, restarts)
         return Observation(Phase.suspended, "Suspended", "the JobSet is suspended", restarts)
