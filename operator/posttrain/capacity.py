@@ -6,31 +6,37 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 
 - mesh (`posttrain.trainer.mesh`): parameters are replicated over `dp` (one entry per
   slice: a TPU slice, a GPU node) and sharded over `fsdp` (the devices of a slice);
-  every batch row is sharded over all devices.
+  every batch row, and so every activation and logit, is sharded over all devices.
 - weights: a full fine-tune trains float32 masters, cast to spec.model.dtype for each
   forward pass (the cast copy is counted too); LoRA keeps the frozen base in
   spec.model.dtype plus float32 adapters (rank x (in + out) per targeted projection).
+  Over several fsdp devices, a matmul needs its whole weight: XLA gathers the
+  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype.
 - optimizer: AdamW two float32 moments per trained weight, SGD one, Adafactor factored
   (about two float32 vectors per matrix). Gradients: float32, a second copy (the
-  accumulator) with gradientAccumulation above 1.
+  accumulator) with gradientAccumulation above 1; over several fsdp devices, the whole
+  float32 gradient of the gathered embedding and layer before it is reduce-scattered.
 - activations: the trainer does not rematerialise (Tunix RematConfig.NONE) and its
   attention is dense, so backward keeps, per decoder layer and micro-batch row, the
   projections' inputs and outputs (and float32 copies of some) and the [heads, L, L]
   attention scores and probabilities (float32, and their cast to the compute dtype).
-- logits: [rows, L, vocab] in the compute dtype, their float32 cast, log-softmax and
-  gradient (a distillation teacher's logits as well).
+- logits: [rows, L, vocab] in the compute dtype and their float32 cast; over the tokens
+  the loss scores (every token for SFT, the completion for DPO and GRPO) the float32
+  gradient, and for DPO and GRPO the log-softmax too (SFT's loss is logsumexp minus the
+  target's logit); less with LoRA, whose gradient does not reach the embedding; a
+  distillation teacher's logits as well.
 - reference / teacher: a frozen spec.model.dtype copy for DPO and GRPO (beta > 0) full
   fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
 - rollout cache: GRPO's KV cache, every generation of the step's prompts at
   maxPromptLength + maxCompletionLength.
 
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
-the trainer's step on one CPU device (tests/trainer/test_capacity_xla.py); over several
-devices XLA's partitioning adds what this does not count (gathered FSDP weights, logits
-not split by batch), so treat a multi-device estimate as a lower bound. A compiler may
-rematerialise activations to fit, but never the weights, optimizer state and gradients.
-So a job is refused when what it holds beyond activations and logits exceeds memory, and
-admitted with a warning naming the numbers when the total is above WARN_ABOVE of it.
+the trainer's steps: tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA),
+DPO and GRPO steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
+`memory_analysis()`. A compiler may rematerialise activations to fit, but never the
+weights, optimizer state and gradients. So a job is refused when what it holds beyond
+activations and logits exceeds memory, and admitted with a warning naming the numbers
+when the total is above WARN_ABOVE of it.
 """
 
 from __future__ import annotations
@@ -192,11 +198,14 @@ def estimate(
     grads = trained * 4 * (2 if t.gradient_accumulation > 1 else 1)
 
     length, per_example = spec.data.max_length, 1
+    scored = length  # tokens per row whose log-probabilities the loss takes
     if spec.technique == "dpo":
         per_example = 2  # chosen and rejected
+        scored = length - min(spec.dpo.max_prompt_length if spec.dpo else 512, length // 2)
     elif spec.technique == "grpo":
         per_example = spec.grpo.num_generations
         length = spec.grpo.max_prompt_length + spec.grpo.max_completion_length
+        scored = spec.grpo.max_completion_length
     rows = max(1, math.ceil(t.batch_size / t.gradient_accumulation * per_example / lay.devices))
     tokens = rows * length
     d, f = shape.hidden, shape.intermediate
@@ -206,7 +215,14 @@ def estimate(
     per_token = (w + 2) * (7 * d + 5 * q + 3.5 * kv + 2.7 * f)
     per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + 2 * w)
     activations = shape.layers * per_layer + tokens * (w + 2) * 10 * d
-    logits = tokens * shape.vocab * (w + 12)
+    # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32
+    # gradient, the log-softmax of DPO's and GRPO's log-probs is kept as well; LoRA keeps
+    # fewer float32 copies, its gradient not reaching the embedding (XLA's figures).
+    per_scored = (4 if spec.technique == "sft" else 8) - (2 if spec.lora else 0)
+    logits = tokens * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
+    whole = 0  # weights gathered whole over fsdp: the embedding and one decoder layer
+    if fsdp > 1:
+        whole = shape.vocab * shape.hidden + shape.layer_params
 
     frozen = 0.0
     if spec.technique == "distill":
@@ -224,9 +240,9 @@ def estimate(
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
         cache = sequences * length * shape.layers * 2 * kv * w
     terms = {
-        "weights": weights / fsdp,
+        "weights": weights / fsdp + whole * w,
         "optimizer": opt_bytes / fsdp,
-        "gradients": grads / fsdp,
+        "gradients": grads / fsdp + (0 if spec.lora else whole * 4),
         "activations": activations,
         "logits": logits,
         "reference/teacher": frozen,

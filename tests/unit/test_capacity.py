@@ -70,29 +70,43 @@ def test_a_local_config_json_wins_over_the_name_and_layers_apply(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "lora,optimizer,weights,optimizer_bytes,gradients",
+    "lora,optimizer,weights,optimizer_bytes,gradients,gathered,gathered_gradients",
     [
         # full: float32 masters + the bfloat16 copy cast for the forward pass
-        (None, "adamw", 6, 8, 4),
-        (None, "sgd", 6, 4, 4),
+        (None, "adamw", 6, 8, 4, 2, 4),
+        (None, "sgd", 6, 4, 4, 2, 4),
         # LoRA: the frozen base in bfloat16; adapters counted separately
-        ({"rank": 16}, "adamw", 2, 0, 0),
+        ({"rank": 16}, "adamw", 2, 0, 0, 2, 0),
     ],
 )
 def test_state_per_parameter_is_sharded_over_the_slice(
-    lora, optimizer, weights, optimizer_bytes, gradients
+    lora, optimizer, weights, optimizer_bytes, gradients, gathered, gathered_gradients
 ):
+    """Sharded over the 8 fsdp devices, plus what a matmul gathers whole: the embedding
+    and one decoder layer in bfloat16, and (full fine-tune) their float32 gradients."""
     doc = job(source="gs://m/Llama-3.1-70B", lora=lora)
     doc["spec"]["training"] = {"optimizer": optimizer}
     est = estimate(doc)
     p = est.shape.params
+    whole = est.shape.vocab * est.shape.hidden + est.shape.layer_params
     adapters = (
         capacity.lora_params(est.shape, PostTrainJobSpec.model_validate(doc["spec"])) if lora else 0
     )
     assert est.layout == capacity.Layout(1, 8)
-    assert est.terms["weights"] == pytest.approx((p * weights + adapters * 4) / 8 / GIB)
+    assert est.terms["weights"] == pytest.approx(
+        ((p * weights + adapters * 4) / 8 + whole * gathered) / GIB
+    )
     assert est.terms["optimizer"] == pytest.approx((p * optimizer_bytes + adapters * 8) / 8 / GIB)
-    assert est.terms["gradients"] == pytest.approx((p * gradients + adapters * 4) / 8 / GIB)
+    assert est.terms["gradients"] == pytest.approx(
+        ((p * gradients + adapters * 4) / 8 + whole * gathered_gradients) / GIB
+    )
+
+
+def test_one_device_gathers_nothing():
+    spec = PostTrainJobSpec.model_validate(job(training={"batchSize": 8})["spec"])
+    est = capacity.estimate(spec, catalog.resolve("v6e-8"), capacity.Layout(1, 1))
+    assert est.terms["weights"] == pytest.approx(est.shape.params * 6 / GIB)
+    assert est.terms["gradients"] == pytest.approx(est.shape.params * 4 / GIB)
 
 
 def test_lora_adapters_count_rank_times_the_targeted_projections():
@@ -134,6 +148,30 @@ def test_activations_grow_linearly_with_layers_and_logits_with_vocabulary(tmp_pa
     assert a8 - a4 == pytest.approx(2 * (a4 - a2))
     small, large = at(2, 1000).terms["logits"], at(2, 100_000).terms["logits"]
     assert large == pytest.approx(100 * small)
+
+
+@pytest.mark.parametrize(
+    "technique,extra,lora,rows,scored,per_scored",
+    [
+        # SFT: logsumexp minus the target's logit, every token scored
+        ("sft", {}, None, 1, 512, 4),
+        ("sft", {}, {"rank": 8}, 1, 512, 2),
+        # DPO: chosen and rejected rows; the log-softmax of the completion kept too
+        ("dpo", {"dpo": {"maxPromptLength": 128}}, None, 2, 512 - 128, 8),
+        ("dpo", {"dpo": {"maxPromptLength": 400}}, None, 2, 256, 8),  # at most half
+    ],
+)
+def test_logits_at_every_token_and_the_loss_at_the_scored_ones(
+    technique, extra, lora, rows, scored, per_scored
+):
+    doc = job(technique=technique, lora=lora, training={"batchSize": 8}, **extra)
+    doc["spec"]["data"] = {"source": "/d.jsonl", "maxLength": 512}
+    est = estimate(doc)
+    vocab = est.shape.vocab
+    assert est.rows == rows
+    assert est.terms["logits"] == pytest.approx(
+        rows * vocab * (512 * (2 + 4) + scored * per_scored) / GIB
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,14 @@ memory estimate (`posttrain.capacity`). A shape comes from, in order:
    SmolLM2-135M-Instruct, gemma-3-1b-it...).
 
 The numbers are those of the models' published config.json files on the Hugging Face Hub
-(for Gemma 3 4B and larger, its `text_config`).
+(for Gemma 3 4B and larger, its `text_config`). Checked against copies of those configs
+in public code: SmolLM2 1.7B (24 layers, 32 heads and 32 KV heads of 64, MLP 8192,
+vocabulary 49152) as torchtune's SmolLM2 builders give it; Gemma 2 27B (46 layers, 32
+heads, 16 KV heads of 128, MLP 36864) as maxtext's Hugging Face configs give it; Gemma 3
+4B and 12B from their config.json's text_config (vocabulary 262208, 64 more than the
+262144 of the text-only 270M and 1B; the image token is 262144); Gemma 3 27B (62
+layers, 32 heads, 16 KV heads of 128, MLP 21504) from its text_config, with the
+multimodal vocabulary of the 4B and 12B.
 """
 
 from __future__ import annotations

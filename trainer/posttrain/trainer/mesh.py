@@ -28,12 +28,21 @@ that multi-slice job would.
 The Tunix models constrain their activations' batch dimension to ``'fsdp'`` alone, which
 would make every slice compute the whole global batch; ``shard_batch_over_slices`` gives a
 Tunix ``ModelConfig`` activations sharded over ``('dp', 'fsdp')`` instead.
+
+Tunix applies those constraints only under the legacy ``with mesh:`` context (and never on
+CPU); under ``jax.set_mesh``, which the trainer uses, they did nothing, and XLA laid the
+activations out from the FSDP-sharded weights: over 8 devices each one held the whole
+batch's logits and MLP activations (1.6x the memory of a batch-split step in
+tests/trainer/test_capacity_xla.py). ``constrain`` applies them under ``jax.set_mesh`` (on
+every platform, dropping axes that do not divide a dimension), and the Tunix model modules
+use it (installed on import).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -148,3 +157,42 @@ def shard_batch_over_slices(config: Any) -> Any:
         if f.name.startswith("act_") and getattr(shd, f.name)[:1] == ("fsdp",)
     }
     return dataclasses.replace(config, shd_config=dataclasses.replace(shd, **changes))
+
+
+def constrain(x: Any, spec: Sequence[Any]) -> Any:
+    """``x`` constrained to ``spec`` (mesh axis names per dimension) on the mesh that
+    ``jax.set_mesh`` set, axes that are not in the mesh or do not divide their dimension
+    dropped; ``x`` itself outside a mesh or on a mesh of one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+    out = []
+    for axes, dim in zip(spec, x.shape, strict=True):
+        names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        names = tuple(a for a in names if a in mesh.shape)
+        size = math.prod(mesh.shape[a] for a in names)
+        out.append(names if names and size > 1 and dim % size == 0 else None)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*out))
+
+
+def _install_constraints() -> None:
+    """The Tunix model modules' activation constraints through ``constrain``."""
+    from tunix.models.gemma import model as gemma2
+    from tunix.models.llama3 import model as llama3
+    from tunix.models.qwen2 import model as qwen2
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.utils import sharding_utils
+
+    for module in (gemma2, llama3, qwen2, qwen3):
+        module.shard = constrain
+    original = sharding_utils.shard  # gemma3's; eager=True places an array (kept)
+
+    def shard(x: Any, s: Sequence[Any], eager: bool = False) -> Any:
+        return original(x, s, eager=True) if eager else constrain(x, s)
+
+    if getattr(original, "__module__", None) != __name__:
+        sharding_utils.shard = shard
+
+
+_install_constraints()

@@ -30,6 +30,14 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same & real) | eye
 
 
+def target_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target] per token ([..., vocab] float32 logits, [...] ids), as
+    logsumexp minus the target's logit: no [..., vocab] log-softmax is materialised, so
+    the backward pass keeps one float32 array of the logits' size fewer."""
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target
+
+
 def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Summed NLL over target tokens, and the number of target tokens (the forward in the
     model's compute dtype, the loss in float32)."""
@@ -44,8 +52,7 @@ def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array
     logits = logits[:, :-1].astype(jnp.float32)
     targets = ids[:, 1:]
     mask = batch["loss_mask"][:, 1:].astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    nll = target_nll(logits, targets)
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
@@ -74,7 +81,7 @@ def make_train_step(wrt: Any, accumulation: int):
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)
         seen = jnp.sum(batch["segment_ids"] != 0)
-        return total * scale, optax.global_norm(grads), count, seen
+        return total * scale, optax.tree.norm(grads), count, seen
 
     return nnx.jit(step, donate_argnames=("optimizer",))
 
