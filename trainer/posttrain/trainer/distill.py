@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from posttrain.trainer import evaluate, loop, models, sft, sources
+from posttrain.trainer import evaluate, loop, models, optim, sft, sources
 
 
 def token_losses(
@@ -99,22 +99,13 @@ def make_train_step(wrt: Any, temperature: float, alpha: float, accumulation: in
     grad_fn = nnx.value_and_grad(summed, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     def step(model, optimizer, teacher, batch):
-        micro = {
-            k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:])
-            for k, v in batch.items()
-        }
-        total, grads, sums = jnp.zeros((), jnp.float32), None, None
-        for i in range(accumulation):
-            (loss, s), g = grad_fn(model, teacher, {k: v[i] for k, v in micro.items()})
-            total = total + loss
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            sums = s if sums is None else jax.tree.map(jnp.add, sums, s)
+        total, sums, grads = optim.accumulate(grad_fn, batch, accumulation, model, teacher)
         scale = 1.0 / jnp.maximum(sums["count"], 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)
         return {
             "loss": total * scale,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "kl": sums["kl"] * scale,
             "nll": sums["nll"] * scale,
             "teacher_nll": sums["teacher_nll"] * scale,

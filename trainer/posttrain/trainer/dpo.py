@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec
-from posttrain.trainer import evaluate, loop, models, sources
+from posttrain.trainer import evaluate, loop, models, optim, sources
 
 BATCH_KEYS = (
     "prompt_ids",
@@ -171,16 +171,7 @@ def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: s
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     def step(model, optimizer, ref_model, batch):
-        n = batch["prompt_ids"].shape[0]
-        micro = {
-            k: v.reshape(accumulation, n // accumulation, *v.shape[1:]) for k, v in batch.items()
-        }
-        total, grads, aux_sum = jnp.zeros((), jnp.float32), None, None
-        for i in range(accumulation):
-            (loss, aux), g = grad_fn(model, ref_model, {k: v[i] for k, v in micro.items()})
-            total = total + loss
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+        total, aux_sum, grads = optim.accumulate(grad_fn, batch, accumulation, model, ref_model)
         scale = 1.0 / accumulation
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)
@@ -192,7 +183,7 @@ def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: s
         )
         return {
             "loss": total * scale,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             **{k: v * scale for k, v in aux_sum.items()},
             "tokens": tokens,
         }

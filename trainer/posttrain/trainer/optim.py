@@ -1,7 +1,13 @@
-"""Optimizer and learning-rate schedule from spec.training (optax)."""
+"""Optimizer and learning-rate schedule from spec.training (optax), and gradient
+accumulation over micro-batches."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from posttrain.api.spec import TrainingSpec
@@ -34,3 +40,22 @@ def optimizer(t: TrainingSpec) -> optax.GradientTransformation:
     if t.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(t.max_grad_norm), opt)
     return opt
+
+
+def accumulate(
+    grad_fn: Callable[..., Any], batch: dict[str, jax.Array], accumulation: int, *args: Any
+) -> tuple[jax.Array, Any, Any]:
+    """Sums of `grad_fn(*args, micro_batch)` (which returns ((loss, aux), grads)) over
+    `accumulation` equal micro-batches of `batch`, split along its first axis: the loss,
+    the aux pytree and the gradients (inside a jitted step)."""
+    micro = {
+        k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:])
+        for k, v in batch.items()
+    }
+    total, aux_sum, grads = jnp.zeros((), jnp.float32), None, None
+    for i in range(accumulation):
+        (loss, aux), g = grad_fn(*args, {k: v[i] for k, v in micro.items()})
+        total = total + loss
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+    return total, aux_sum, grads
