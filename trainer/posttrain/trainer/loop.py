@@ -4,9 +4,11 @@ The same function runs in a JobSet pod (`posttrain train`) and on a laptop
 (`posttrain run`). Under `output.uri`:
 
     checkpoints/<step>/   Orbax: trainable params, optimizer state, data position
-    tensorboard/          loss, learning rate, grad norm, tokens/s
+    tensorboard/          loss, learning rate, grad norm, tokens/s, goodput/*
     hf/                   PEFT adapter (LoRA) or merged safetensors model
-    summary.json          written last: the finished step, final loss and export location
+    goodput.json          where the wall time of every attempt went (see `goodput`)
+    summary.json          written last: the finished step, final loss, export location
+                          and goodput
 
 A run whose summary.json says it reached spec.training.steps, and whose export is still
 there, is finished: running it again trains and writes nothing (see `finished_run`).
