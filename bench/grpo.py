@@ -23,7 +23,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +31,7 @@ sys.path[:0] = [str(ROOT / "tests" / "trainer")]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
@@ -82,17 +82,18 @@ def setup(job):
 
 def time_ours(job, steps: int) -> dict[str, float]:
     mesh, policy, loader, run = setup(job)
+    batches = timed(next(loader) for _ in range(steps + 1))
+    trained = 0
     with jax.set_mesh(mesh):
         loop._shard_like_params(run.opt, mesh)
-        jax.block_until_ready(run(next(loader), 0)["loss"])  # compile
-        run.rollout_seconds, run.rollout_tokens = 0.0, 0
-        trained = 0
-        start = time.perf_counter()
-        for i in range(1, steps + 1):
-            out = run(next(loader), i)
-            trained += int(out["tokens"])
-        jax.block_until_ready(out["loss"])
-    elapsed = time.perf_counter() - start
+        for i, b in enumerate(batches):
+            out = run(b, i)
+            if i == 0:  # compiled and run before the clock starts
+                jax.block_until_ready(out["loss"])
+                run.rollout_seconds, run.rollout_tokens = 0.0, 0
+            else:
+                trained += int(out["tokens"])
+    elapsed = batches.seconds(out["loss"])
     return {
         "steps_per_second": steps / elapsed,
         "rollout_tokens_per_second": run.rollout_tokens / max(run.rollout_seconds, 1e-9),
@@ -105,20 +106,15 @@ def time_tunix(job, steps: int) -> float:
     """Tunix's GRPOLearner.train on the same cluster; seconds for `steps` steps after the
     first."""
     mesh, policy, loader, run = setup(job)
-    stamps: list[float] = []
-
-    def batches():
-        for _ in range(steps + 1):
-            stamps.append(time.perf_counter())
-            b = next(loader)
-            yield {"prompts": b["prompts"].astype(str), "answer": b["answer"].astype(str)}
-
+    batches = timed(
+        {"prompts": b["prompts"].astype(str), "answer": b["answer"].astype(str)}
+        for b in (next(loader) for _ in range(steps + 1))
+    )
     with warnings.catch_warnings():  # Tunix shards its inputs by the legacy mesh context
         warnings.simplefilter("ignore", DeprecationWarning)
         with mesh:
-            run.learner.train(batches())
-    jax.block_until_ready(jax.tree.leaves(policy.model))
-    return time.perf_counter() - stamps[1]
+            run.learner.train(batches)
+    return batches.seconds(jax.tree.leaves(policy.model))
 
 
 def main() -> int:

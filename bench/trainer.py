@@ -23,6 +23,7 @@ sys.path[:0] = [str(ROOT / "tests" / "trainer")]
 import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
@@ -65,13 +66,13 @@ def time_ours(model_dir: Path, rank: int, dtype: str, data_batches: list[dict]) 
     step = sft.make_train_step(nnx.LoRAParam, 1)
     keys = ("input_ids", "loss_mask", "segment_ids", "positions")
     arrays = [{k: jax.numpy.asarray(b[k]) for k in keys} for b in data_batches]
+    batches = timed(arrays)
     with jax.set_mesh(models.make_mesh()):  # as the training loop runs it
-        jax.block_until_ready(step(model, opt, arrays[0]))  # compile
-        start = time.perf_counter()
-        for b in arrays[1:]:
+        for i, b in enumerate(batches):
             out = step(model, opt, b)
-        jax.block_until_ready(out)
-    return time.perf_counter() - start
+            if i == 0:
+                jax.block_until_ready(out)  # compiled and run before the clock starts
+    return batches.seconds(out)
 
 
 def time_tunix(model_dir: Path, rank: int, dtype: str, data_batches: list[dict]) -> float:
@@ -90,20 +91,12 @@ def time_tunix(model_dir: Path, rank: int, dtype: str, data_batches: list[dict])
         }
 
     trainer = trainer.with_gen_model_input_fn(inputs)
-    stamps: list[float] = []
-
-    class Timed:
-        def __iter__(self):
-            for b in data_batches:
-                stamps.append(time.perf_counter())
-                yield {k: b[k] for k in ("input_ids", "loss_mask", "segment_ids", "positions")}
-
+    keys = ("input_ids", "loss_mask", "segment_ids", "positions")
+    batches = timed({k: b[k] for k in keys} for b in data_batches)
     mesh = models.make_mesh()
     with mesh:
-        trainer.train(Timed())
-    jax.block_until_ready(nnx.state(model, nnx.LoRAParam))
-    end = time.perf_counter()
-    return end - stamps[1]  # from the second batch: the first one includes compilation
+        trainer.train(batches)
+    return batches.seconds(nnx.state(model, nnx.LoRAParam))
 
 
 def main() -> int:
