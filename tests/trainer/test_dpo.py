@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 from tb_events import scalars
-from tiny_job import run_job, tiny_job
+from tiny_job import assert_bitwise_equal, run_job, tiny_job
 from tiny_model import make_tiny_llama
 
 from posttrain.trainer import dpo
@@ -106,9 +106,7 @@ def test_lora_dpo_raises_accuracy_and_margin_and_resumes_exactly(model_dir, pair
     again = run_job(job_doc(model_dir, out, pairs))
     assert again.resumed_from == 16 and again.step == 24
     resumed = load_file(str(out / "hf" / "adapter_model.safetensors"))
-    assert first.keys() == resumed.keys()
-    for key in first:
-        assert np.array_equal(first[key], resumed[key]), key
+    assert_bitwise_equal(first, resumed)
 
 
 def test_full_dpo_with_accumulation_uses_a_frozen_reference_and_exports_merged(

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 from tb_events import scalars
+from tiny_job import assert_bitwise_equal
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
@@ -208,9 +209,7 @@ def test_lora_gspo_with_every_reward_type_resumes_exactly(task, tmp_path):
     again = run(spec)
     assert again.resumed_from == 2 and again.step == 4
     resumed = load_file(str(out / "hf" / "adapter_model.safetensors"))
-    assert first.keys() == resumed.keys()
-    for key in first:
-        assert np.array_equal(first[key], resumed[key]), key
+    assert_bitwise_equal(first, resumed)
 
 
 def test_reference_per_beta_and_host_local_rollouts(task, tmp_path):

@@ -1,4 +1,5 @@
-"""A tiny PostTrainJob for the trainer tests, and running it in this process.
+"""A tiny PostTrainJob for the trainer tests, running it in this process, and comparing
+what two runs wrote.
 
 ``tiny_job`` writes the document every trainer test starts from (a local model, a local
 data file, batches of 8, float32, LoRA rank 4 unless ``lora=False``); a test adds or
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from posttrain.api.spec import PostTrainJob
 from posttrain.api.validate import validate
@@ -64,3 +67,10 @@ def run_job(job: dict | PostTrainJob):
 
     job = validated(job) if isinstance(job, dict) else job
     return train(job, ProcessInfo(None, 1, 0), show_bar=False)
+
+
+def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    """The same tensors, bit for bit (an exact resume, a deterministic run)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), f"{key} differs"

@@ -298,7 +298,7 @@ def make_train_step(
         mask = batch["completion_mask"].astype(jnp.float32)
         out = {
             "loss": loss * scale,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "kl": kl * scale,
             "clip_fraction": clip * scale,
             "entropy": entropy * scale,

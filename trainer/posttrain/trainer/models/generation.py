@@ -43,8 +43,9 @@ def _forward(model, tokens, positions, mask):
     return logits.astype(jnp.float32)
 
 
-def forward(model: nnx.Module, input_ids: Any, input_mask: Any | None = None) -> jax.Array:
-    """Float32 logits ``[B, T, V]`` for right-padded ``input_ids`` (jit-compiled)."""
+def padded_inputs(input_ids: Any, input_mask: Any | None = None) -> tuple[jax.Array, ...]:
+    """(tokens int32, mask bool, positions int32) ``[B, T]`` of right-padded ``input_ids``
+    (no mask: every token is real)."""
     tokens = jnp.asarray(input_ids, jnp.int32)
     mask = (
         jnp.ones_like(tokens, jnp.bool_)
@@ -52,6 +53,12 @@ def forward(model: nnx.Module, input_ids: Any, input_mask: Any | None = None) ->
         else jnp.asarray(input_mask, jnp.bool_)
     )
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+    return tokens, mask, positions
+
+
+def forward(model: nnx.Module, input_ids: Any, input_mask: Any | None = None) -> jax.Array:
+    """Float32 logits ``[B, T, V]`` for right-padded ``input_ids`` (jit-compiled)."""
+    tokens, mask, positions = padded_inputs(input_ids, input_mask)
     return _forward(model, tokens, positions, causal_mask(mask))
 
 

@@ -284,14 +284,10 @@ def forward(
     """Float32 logits ``[B, T, V]`` of right-padded ``input_ids`` whose image soft tokens
     take the embeddings of ``images`` ``[B, N, H, W, C]`` (processed pixels, in order;
     rows with fewer images are padded at the end with any pixels)."""
+    from posttrain.trainer.models.generation import padded_inputs
+
     soft = image_token_id(model)
-    tokens = jnp.asarray(input_ids, jnp.int32)
-    mask = (
-        jnp.ones_like(tokens, jnp.bool_)
-        if input_mask is None
-        else jnp.asarray(input_mask, jnp.bool_)
-    )
-    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+    tokens, mask, positions = padded_inputs(input_ids, input_mask)
     pixels = jnp.asarray(np.asarray(images), jnp.float32)
     return _forward(model, tokens, positions, attention_mask(tokens, mask, soft), pixels)
 
