@@ -23,7 +23,7 @@ import pytest
 import yaml
 from safetensors.numpy import load
 from tb_events import scalars, texts
-from tiny_job import run_job, tiny_job
+from tiny_job import assert_bitwise_equal, run_job, tiny_job
 from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
@@ -66,12 +66,6 @@ def committed_steps(out: Path | str) -> list[int]:
     root = storage.join(str(out), "checkpoints")
     names = [f[len(root) + 1 :] for f in storage.list_uri(root, recursive=True)]
     return sorted(int(n.split("/")[0]) for n in names if re.fullmatch(r"\d+/commit_success.txt", n))
-
-
-def assert_bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert np.array_equal(a[key], b[key]), f"{key} differs"
 
 
 @pytest.fixture(scope="module")
