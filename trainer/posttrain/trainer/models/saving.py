@@ -38,6 +38,8 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "processor_config.json",  # Gemma 3 vision: the image processor's settings
+    "preprocessor_config.json",
 )
 
 
@@ -47,14 +49,28 @@ def _hf_dtype_name(dtype: np.dtype) -> str:
     ]
 
 
+def export_layout(info: ModelInfo) -> ModelInfo:
+    """``info`` with the tensor names ``save_hf`` writes (see ``hf_state``)."""
+    if info.vision is None:
+        return dataclasses.replace(info, hf_prefix="model.")
+    vision = dataclasses.replace(
+        info.vision,
+        tower_prefix="model.vision_tower.vision_model.",
+        projector_prefix="model.multi_modal_projector.",
+    )
+    return dataclasses.replace(info, hf_prefix="model.language_model.", vision=vision)
+
+
 def hf_state(
     model: nnx.Module, info: ModelInfo
 ) -> Iterable[tuple[str, Callable[[], np.ndarray], tuple, np.dtype]]:
     """Lazily, every HF tensor of ``model`` (LoRA merged in): (name, produce, shape, dtype).
 
-    Names use the ``*ForCausalLM`` layout (``model.layers...``) whatever the source was.
+    Names use the ``*ForCausalLM`` layout (``model.layers...``) whatever the source was;
+    a model with Gemma 3's vision tower, ``Gemma3ForConditionalGeneration``'s
+    (``model.language_model...``, ``model.vision_tower.vision_model...``).
     """
-    info = dataclasses.replace(info, hf_prefix="model.")
+    info = export_layout(info)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     deltas = lora_lib.merged_deltas(model, info)
     for m in param_maps(info):
@@ -133,6 +149,11 @@ def save_hf(
     arch, model_type = HF_ARCH_OUT[info.family]
     cfg["architectures"] = [arch]
     cfg["model_type"] = model_type
+    if info.vision is not None:  # the source's multimodal config, with this text config
+        full = json.loads((Path(info.model_dir) / "config.json").read_text())
+        cfg = {**full, "text_config": {**cfg, "model_type": "gemma3_text"}}
+        cfg["architectures"] = ["Gemma3ForConditionalGeneration"]
+        cfg["text_config"].pop("architectures", None)
     saved = _hf_dtype_name(target or tensors[0][3])
     if "dtype" in cfg or "torch_dtype" not in cfg:
         cfg["dtype"] = saved
