@@ -138,6 +138,15 @@ def build_config(
     eps = float(hf.get("rms_norm_eps", 1e-6))
     tie = bool(hf.get("tie_word_embeddings", family.startswith("gemma")))
     layer_types = _layer_types(hf, family, n)
+    # The decoder's shape, under the argument names every Tunix ModelConfig shares.
+    shape = dict(
+        num_layers=n,
+        embed_dim=d,
+        hidden_dim=ffw,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv,
+    )
     extras: dict[str, Any] = {"layer_types": layer_types}
 
     if family in ("llama3", "qwen2", "qwen3"):
@@ -151,17 +160,7 @@ def build_config(
         if any(t != "full_attention" for t in layer_types) or hf.get("use_sliding_window"):
             raise _unsupported(family, "sliding-window attention")
         theta, scaling = rope_of(hf)
-        common = dict(
-            num_layers=n,
-            vocab_size=vocab,
-            embed_dim=d,
-            hidden_dim=ffw,
-            num_heads=heads,
-            head_dim=head_dim,
-            num_kv_heads=kv,
-            rope_theta=theta,
-            norm_eps=eps,
-        )
+        common = dict(**shape, vocab_size=vocab, rope_theta=theta, norm_eps=eps)
         if family == "llama3":
             cfg = llama3_lib.ModelConfig(**common, weight_tying=tie)
             extras["rope_inv_freq"] = tuple(
@@ -195,15 +194,7 @@ def build_config(
     if hf.get("attention_bias"):
         raise _unsupported(family, "attention_bias")
     scalar = float(hf.get("query_pre_attn_scalar") or head_dim)
-    shape = dict(
-        num_layers=n,
-        num_embed=vocab,
-        embed_dim=d,
-        hidden_dim=ffw,
-        num_heads=heads,
-        head_dim=head_dim,
-        num_kv_heads=kv,
-    )
+    shape = dict(shape, num_embed=vocab)
     window = hf.get("sliding_window")
     if family == "gemma2":
         theta, scaling = rope_of(hf)
