@@ -25,41 +25,36 @@ class Rule:
     message: str
 
 
+def _only_with_its_technique(section: str) -> Rule:
+    """spec.<section> (a technique's settings) only when spec.technique is that technique."""
+    return Rule(
+        section,
+        f"!has(self.{section}) || self.technique == '{section}'",
+        lambda s: getattr(s, section) is None or s.technique == section,
+        f"spec.{section} is only allowed when spec.technique is {section}",
+    )
+
+
+def _needed_by_its_technique(section: str, what: str) -> Rule:
+    """Technique <section> needs its spec.<section> settings."""
+    return Rule(
+        section,
+        f"self.technique != '{section}' || has(self.{section})",
+        lambda s: s.technique != section or getattr(s, section) is not None,
+        f"technique {section} needs a spec.{section} block with {what}",
+    )
+
+
 def _is_tpu(spec: PostTrainJobSpec) -> bool:
     return re.fullmatch(TPU_NAME_CEL.strip("^$"), spec.resources.accelerator) is not None
 
 
 RULES: list[Rule] = [
-    Rule(
-        "grpo",
-        "!has(self.grpo) || self.technique == 'grpo'",
-        lambda s: s.grpo is None or s.technique == "grpo",
-        "spec.grpo is only allowed when spec.technique is grpo",
-    ),
-    Rule(
-        "grpo",
-        "self.technique != 'grpo' || has(self.grpo)",
-        lambda s: s.technique != "grpo" or s.grpo is not None,
-        "technique grpo needs a spec.grpo block with at least one reward",
-    ),
-    Rule(
-        "dpo",
-        "!has(self.dpo) || self.technique == 'dpo'",
-        lambda s: s.dpo is None or s.technique == "dpo",
-        "spec.dpo is only allowed when spec.technique is dpo",
-    ),
-    Rule(
-        "distill",
-        "!has(self.distill) || self.technique == 'distill'",
-        lambda s: s.distill is None or s.technique == "distill",
-        "spec.distill is only allowed when spec.technique is distill",
-    ),
-    Rule(
-        "distill",
-        "self.technique != 'distill' || has(self.distill)",
-        lambda s: s.technique != "distill" or s.distill is not None,
-        "technique distill needs a spec.distill block with a teacher",
-    ),
+    _only_with_its_technique("grpo"),
+    _needed_by_its_technique("grpo", "at least one reward"),
+    _only_with_its_technique("dpo"),
+    _only_with_its_technique("distill"),
+    _needed_by_its_technique("distill", "a teacher"),
     Rule(
         "output.exportHF",
         "self.output.exportHF != 'adapter' || has(self.lora)",
