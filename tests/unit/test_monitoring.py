@@ -28,7 +28,7 @@ from chart_monitoring import (
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMTOOL = ROOT / ".cache" / "bin" / "promtool"
-BUILD_PROMTOOL = "make tools (go install github.com/prometheus/prometheus/cmd/promtool)"
+BUILD_PROMTOOL = "make tools"
 JOB = 'job_namespace="team-a",job_name="sft"'
 OPERATOR = f'namespace="{NS}",pod="posttrain-0"'
 
