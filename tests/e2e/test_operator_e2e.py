@@ -193,7 +193,8 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
             timeout=60,
             describe=lambda: cluster.describe(namespace, "workloads"),
         )
-        assert "Queued" in row and "Kueue queue 'tpu': couldn't assign flavors" in row, row
+        # ... and its place in the queue, from Kueue's visibility API.
+        assert "Queued" in row and "Kueue queue 'tpu', position 1: couldn't assign" in row, row
         assert "google.com/tpu" in row, row
         assert pods(cluster, namespace) == []
         cluster.kubectl(
@@ -519,3 +520,33 @@ def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace:
     first_run = seen.index("Running")
     assert seen[first_run : first_run + 2] == ["Running", "Suspended"], seen
     assert seen[-1] == "Running", seen
+
+
+def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, operator):
+    """Two jobs waiting for quota: each row says its place in the queue, from Kueue's
+    visibility API (read per LocalQueue, not per job: tests/unit/test_watches.py)."""
+    queue = cluster.tpu_queue(namespace, "tpu", chips=0)
+    try:
+        for name in ("first", "second"):
+            tpu_job(cluster, namespace, name, "posttrain-trainer:slow", queue="tpu")
+            time.sleep(1)  # Kueue orders equal priorities by creation time (seconds)
+        first = wait_for(
+            lambda: (r := get_row(cluster, namespace, "first")) and "position 1:" in r and r,
+            timeout=60,
+            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads"),
+        )
+        assert first.split()[4] == "Queued", first
+        assert "Kueue queue 'tpu', position 1: couldn't assign flavors" in first, first
+        assert "insufficient quota for google.com/tpu" in first, first
+        # Kueue tries only the head of the queue: the second job has no word from Kueue
+        # but its place.
+        second = wait_for(
+            lambda: (r := get_row(cluster, namespace, "second")) and "position 2" in r and r,
+            timeout=60,
+            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads"),
+        )
+        assert second.split()[4] == "Queued", second
+        assert second.endswith("Kueue queue 'tpu', position 2"), second
+    finally:
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all(queue)

@@ -328,6 +328,7 @@ ALLOWED = [
     ("patch", "workloads.kueue.x-k8s.io", "other"),
     ("list", "clusterqueues.kueue.x-k8s.io", "-"),
     ("watch", "clusterqueues.kueue.x-k8s.io", "-"),
+    ("get", "localqueues.visibility.kueue.x-k8s.io/pendingworkloads", "other"),
 ]
 DENIED = [
     ("create", "priorityclasses.scheduling.k8s.io", "-"),
@@ -348,6 +349,7 @@ DENIED = [
     ("delete", "workloads.kueue.x-k8s.io", "other"),
     ("update", "workloads.kueue.x-k8s.io/status", "other"),
     ("patch", "clusterqueues.kueue.x-k8s.io", "-"),
+    ("get", "clusterqueues.visibility.kueue.x-k8s.io/pendingworkloads", "-"),
     ("get", "pods/log", "other"),
     ("delete", "namespaces", "-"),
     ("create", "namespaces", "-"),
@@ -374,7 +376,7 @@ DENIED = [
 
 def can_i(apiserver: Cluster, release: Release, verb: str, resource: str, where: str) -> bool:
     args = ["auth", "can-i", verb, resource, f"--as={release.user}"]
-    if resource.endswith(("/status", "/finalizers", "/exec", "/log")):
+    if resource.endswith(("/status", "/finalizers", "/exec", "/log", "/pendingworkloads")):
         base, sub = resource.rsplit("/", 1)
         args = ["auth", "can-i", verb, base, f"--subresource={sub}", f"--as={release.user}"]
     if where == "-":

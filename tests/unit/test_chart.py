@@ -62,6 +62,7 @@ EXPECTED_CLUSTER_RULES = {
     ("", "pods"): {"list", "watch"},
     ("kueue.x-k8s.io", "workloads"): {"list", "watch", "patch"},
     ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
+    ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"): {"get"},
 }
 
 

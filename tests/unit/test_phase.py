@@ -1,5 +1,7 @@
 """Phase and condition logic: a table of JobSet states and the phase each one means."""
 
+import dataclasses
+
 import pytest
 
 from posttrain.api.spec import Phase
@@ -12,6 +14,7 @@ from posttrain.controller.phase import (
     one_line,
     phase_from,
     pod_state,
+    queue_positions,
     status_patch,
     status_reason,
     with_cluster_queue,
@@ -840,3 +843,35 @@ def test_workload_follows_user_suspend(case, user_suspended, wl, active):
         workload_activation(user_suspended, without_workload(classed(wpc="x"), set(), set()))
         is None
     )
+
+
+@pytest.mark.parametrize(
+    "case,wl,position,message",
+    [
+        (
+            "no quota, second in line",
+            NO_QUOTA,
+            (2, 5),
+            "Kueue queue 'tpu', position 2 (5 in its ClusterQueue): couldn't assign flavors",
+        ),
+        ("first in both", NO_QUOTA, (1, 1), "Kueue queue 'tpu', position 1: couldn't assign"),
+        ("no word from Kueue yet", workload(), (3, 3), "Kueue queue 'tpu', position 3"),
+        ("no visibility API", NO_QUOTA, None, "Kueue queue 'tpu': couldn't assign flavors"),
+    ],
+)
+def test_queued_job_shows_its_position(case, wl, position, message):
+    state = dataclasses.replace(workload_state(named(wl)), position=position)
+    obs = phase_from(jobset(suspend=True, queue="tpu"), False, [], state)
+    assert obs.phase == "Queued" and obs.message.startswith(message), obs
+    assert wl is NO_QUOTA or obs.message == message, obs  # nothing more to say
+
+
+def test_queue_positions_from_kueue_summary():
+    summary = {
+        "items": [
+            {"metadata": {"name": "w1"}, "positionInLocalQueue": 0, "positionInClusterQueue": 4},
+            {"metadata": {"name": "w2"}},
+        ]
+    }
+    assert queue_positions(summary) == {"w1": (1, 5), "w2": (1, 1)}
+    assert queue_positions({"items": []}) == {}

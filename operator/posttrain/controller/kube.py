@@ -193,6 +193,29 @@ def set_workload_active(namespace: str, name: str, active: bool) -> None:
     )
 
 
+def pending_workloads(namespace: str, queue: str) -> dict[str, Any] | None:
+    """Kueue's visibility API: a LocalQueue's pending Workloads with their positions
+    (PendingWorkloadsSummary); None where it cannot be read (not served, no such queue)."""
+    path = (
+        f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{namespace}/localqueues/"
+        f"{queue}/pendingworkloads"
+    )
+    api = _api_client()
+    try:
+        request = api.param_serialize(
+            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+        )
+        response = api.call_api(*request, _request_timeout=5)
+        response.read()
+        if response.status != 200:
+            log.debug("no queue positions for %s/%s: HTTP %s", namespace, queue, response.status)
+            return None
+        return json.loads(response.data)
+    except (ApiException, urllib3.exceptions.HTTPError, ValueError) as e:
+        log.debug("no queue positions for %s/%s: %s", namespace, queue, e)
+        return None
+
+
 def get_job(namespace: str, name: str) -> dict[str, Any] | None:
     return _call(
         lambda: _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)

@@ -90,6 +90,7 @@ class WorkloadState:
     message: str | None = None
     name: str | None = None  # None: Kueue has made none (see without_workload)
     active: bool = True  # spec.active
+    position: tuple[int, int] | None = None  # in its LocalQueue, its ClusterQueue (from 1)
 
 
 def _true(obj: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -312,18 +313,45 @@ def _expected_pods(jobset: dict[str, Any]) -> int:
     )
 
 
+def queue_positions(summary: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Positions (from 1) in its LocalQueue and its ClusterQueue of each pending Workload
+    by name, from a PendingWorkloadsSummary of Kueue's visibility API."""
+    return {
+        item["metadata"]["name"]: (
+            int(item.get("positionInLocalQueue", 0)) + 1,
+            int(item.get("positionInClusterQueue", 0)) + 1,
+        )
+        for item in summary.get("items") or []
+        if (item.get("metadata") or {}).get("name")
+    }
+
+
+def waits_in_queue(workload: WorkloadState | None) -> bool:
+    """Whether a Workload waits in its queue, so that Kueue's visibility API has its
+    position (asked once per LocalQueue, see watches)."""
+    return (
+        workload is not None and bool(workload.name) and workload.active and not (workload.admitted)
+    )
+
+
 def _queued(jobset: dict[str, Any], workload: WorkloadState | None, restarts: int) -> Observation:
     queue = jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL)
+    where = f"Kueue queue {queue!r}"
+    if workload is not None and workload.position:
+        in_local, in_cluster = workload.position
+        where += f", position {in_local}" + (
+            f" ({in_cluster} in its ClusterQueue)" if in_cluster != in_local else ""
+        )
     if workload is not None and workload.message:
         return Observation(
             Phase.queued,
             workload.reason or "WaitingForAdmission",
-            f"Kueue queue {queue!r}: {workload.message}",
+            f"{where}: {workload.message}",
             restarts,
         )
-    return Observation(
-        Phase.queued, "WaitingForAdmission", f"waiting for Kueue queue {queue!r}", restarts
-    )
+    if workload is not None and workload.position:
+        return Observation(Phase.queued, "WaitingForAdmission", where, restarts)
+    return Observation(Phase.queued, "WaitingForAdmission", f"waiting for {where}", restarts)
 
 
 def phase_from(

@@ -15,19 +15,26 @@ reads nothing from the API server:
 - why each inactive ClusterQueue is inactive, as Kueue says on it: a Workload only says
   `ClusterQueue X is inactive` (`phase.with_cluster_queue`).
 
+A queued job's position comes from Kueue's visibility API (`QueuePositions`): one read
+per LocalQueue with waiting jobs every 10 s (1 s when one of them is not listed yet),
+not one per job.
+
 An index is a kopf mapping from a key to the values of every object that gave that key.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import kopf
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller import phase
-from posttrain.render.jobset import JOB_NAME_LABEL, JOBSET_API_VERSION
+from posttrain.controller import kube, phase
+from posttrain.render.jobset import JOB_NAME_LABEL, JOBSET_API_VERSION, KUEUE_QUEUE_LABEL
 
 JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
@@ -129,12 +136,47 @@ def workload(
     meta = jobset_body["metadata"]
     for uid, state in _values(indexes.get("workload_index"), (namespace, meta["name"])):
         if uid == meta.get("uid"):
-            return phase.with_cluster_queue(state, _inactive(indexes))
+            state = phase.with_cluster_queue(state, _inactive(indexes))
+            queue = (meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+            if queue and phase.waits_in_queue(state):
+                position = POSITIONS.get(namespace, queue, state.name)
+                state = dataclasses.replace(state, position=position)
+            return state
     return phase.without_workload(
         jobset_body,
         _names(indexes, "workload_priority_class_index"),
         _names(indexes, "priority_class_index"),
     )
+
+
+class QueuePositions:
+    """Positions of pending Workloads from Kueue's visibility API, one read per
+    LocalQueue at most every `ttl` seconds however many of its jobs are decided; a
+    Workload the last read did not list (new since) is asked for again after `retry`
+    seconds at the soonest (a queue without the API, or gone, too)."""
+
+    def __init__(
+        self,
+        fetch: Callable[[str, str], dict[str, Any] | None],
+        ttl: float = 10.0,
+        retry: float = 1.0,
+    ):
+        self.fetch, self.ttl, self.retry = fetch, ttl, retry
+        self.lock = threading.Lock()
+        self.seen: dict[Key, tuple[float, dict[str, tuple[int, int]]]] = {}
+
+    def get(self, namespace: str, queue: str, workload: str | None) -> tuple[int, int] | None:
+        with self.lock:  # handlers run in threads: one read per queue, the others wait
+            at, positions = self.seen.get((namespace, queue), (-self.ttl, {}))
+            age = time.monotonic() - at
+            if age >= self.ttl or (age >= self.retry and (workload or "") not in positions):
+                summary = self.fetch(namespace, queue)
+                positions = phase.queue_positions(summary) if summary else {}
+                self.seen[(namespace, queue)] = (time.monotonic(), positions)
+        return positions.get(workload or "")
+
+
+POSITIONS = QueuePositions(lambda ns, queue: kube.pending_workloads(ns, queue))
 
 
 def _inactive(indexes: dict[str, Any]) -> Callable[[str], str | None]:
