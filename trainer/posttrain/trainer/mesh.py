@@ -32,8 +32,8 @@ Tunix ``ModelConfig`` activations sharded over ``('dp', 'fsdp')`` instead.
 Tunix applies those constraints only under the legacy ``with mesh:`` context (and never on
 CPU); under ``jax.set_mesh``, which the trainer uses, they did nothing, and XLA laid the
 activations out from the FSDP-sharded weights: over 8 devices each one held the whole
-batch's logits and MLP activations (1.6x the memory of a batch-split step in
-tests/trainer/test_capacity_xla.py). ``constrain`` applies them under ``jax.set_mesh`` (on
+batch's logits and MLP activations (3.5x to 3.9x the memory per device of the
+batch-split steps of tests/trainer/test_capacity_xla.py over 8 devices). ``constrain`` applies them under ``jax.set_mesh`` (on
 every platform, dropping axes that do not divide a dimension), and the Tunix model modules
 use it (installed on import).
 """
