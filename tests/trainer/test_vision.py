@@ -349,8 +349,8 @@ def test_full_finetune_on_images_lowers_the_loss_with_the_tower_frozen(image_dir
 
 def test_lora_job_with_images_trains_and_exports(image_dir):
     """A PostTrainJob with spec.data.columns.images, validated and run by the trainer
-    (LoRA on the decoder): the loss falls and a PEFT adapter of the language model is
-    exported."""
+    (LoRA on the decoder): the loss falls, a PEFT adapter of the language model is
+    exported, and a run resumed from a checkpoint ends bitwise the same."""
     from safetensors.numpy import load_file
     from tiny_job import run_job, tiny_job
 
@@ -373,6 +373,21 @@ def test_lora_job_with_images_trains_and_exports(image_dir):
     assert adapter and all(
         k.startswith("base_model.model.model.language_model.layers.") for k in adapter
     )
+    # exact resume: the run as if it had died after the step-2 checkpoint
+    import shutil
+
+    again = image_dir / "again"
+    shutil.copytree(image_dir / "out", again)
+    for path in (again / "checkpoints" / "4", again / "hf"):
+        shutil.rmtree(path)
+    (again / "summary.json").unlink(missing_ok=True)
+    doc["spec"]["output"]["uri"] = str(again)
+    resumed = run_job(doc)
+    assert resumed.resumed_from == 2 and resumed.step == 4
+    assert resumed.losses == {s: result.losses[s] for s in (3, 4)}
+    redone = load_file(again / "hf" / "adapter_model.safetensors")
+    assert redone.keys() == adapter.keys()
+    assert all(np.array_equal(redone[k], adapter[k]) for k in adapter)
 
 
 def test_save_hf_writes_a_gemma3_for_conditional_generation(loaded, golden, tmp_path):
