@@ -457,3 +457,27 @@ def test_vision_tower_sharded_over_four_devices():
     result = json.loads(line[len("RESULT") :])
     assert result["diff"] < TOL
     assert result["shard"] != result["shape"]  # each device holds a block
+
+
+def test_vision_checkpoint_on_gcs_reads_blocks_in_place(tmp_path, caplog, golden):
+    """A gs:// source (a real GCS-compatible server): the small files (config, tokenizer,
+    processor) are copied, the vision tower's weights too are read in place, ranged."""
+    import re
+
+    from posttrain.trainer import sources, storage
+    from posttrain.trainer.models import vision
+    from tests.trainer.data_helpers import gcs_bucket
+
+    with gcs_bucket("ptvision") as bucket:
+        storage.upload_dir(FIXTURE, f"{bucket}/gemma3-vision")
+        with caplog.at_level("INFO", logger="posttrain.trainer.models"):
+            model, info = sources.load_model_source(
+                f"{bucket}/gemma3-vision", tmp_path, vision=True
+            )
+    fetched, total = map(int, re.search(r"fetched (\d+) of the (\d+) bytes", caplog.text).groups())
+    assert 0 < fetched <= total
+    copied = {p.name for p in Path(info.model_dir).iterdir()}
+    assert {"config.json", "processor_config.json"} <= copied
+    assert not any(n.endswith(".safetensors") for n in copied)
+    logits = np.asarray(vision.forward(model, golden["input_ids_one"], _pixels(golden, "one")))
+    np.testing.assert_allclose(logits, golden["logits_one"], atol=TOL, rtol=0)
