@@ -29,6 +29,11 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
 - rollout cache: GRPO's KV cache, every generation of the step's prompts at
   maxPromptLength + maxCompletionLength.
+- vision tower: with spec.data.columns.images, Gemma 3's SigLIP tower and projector
+  (frozen: in spec.model.dtype under LoRA, a float32 copy and its cast in a full
+  fine-tune), and its forward activations in `activations` (one layer at a time, one
+  image a row); the images' soft tokens are part of maxLength already. Not checked
+  against XLA (test_capacity_xla.py covers the text steps).
 
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
 the trainer's steps: tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA),
@@ -61,6 +66,7 @@ TERMS = (
     "logits",
     "reference/teacher",
     "rollout cache",
+    "vision tower",
 )
 
 
@@ -239,6 +245,16 @@ def estimate(
     if spec.technique == "grpo":
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
         cache = sequences * length * shape.layers * 2 * kv * w
+    tower = 0.0
+    vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
+    if vision is not None:
+        # Frozen (LoRA base in spec.model.dtype; a full fine-tune's float32 copy and its
+        # cast), forward only: one encoder layer of the micro-batch's images at a time
+        # (one image a row assumed), its [heads, patches, patches] float32 attention.
+        held = vision.params * (w if spec.lora else 4 + (w if w < 4 else 0))
+        tower = held / fsdp
+        p, vw = vision.patches, vision.width
+        activations += rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
     terms = {
         "weights": weights / fsdp + whole * w,
         "optimizer": opt_bytes / fsdp,
@@ -247,6 +263,7 @@ def estimate(
         "logits": logits,
         "reference/teacher": frozen,
         "rollout cache": cache,
+        "vision tower": tower,
     }
     return MemoryEstimate(
         spec.model.source,

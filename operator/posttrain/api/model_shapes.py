@@ -158,3 +158,51 @@ def has_vision_tower(source: str) -> bool | None:
     if re.match(r"gemma-3-(4b|12b|27b)(?![0-9.])", name):
         return True
     return False if from_name(source) is not None else None
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Gemma 3's SigLIP vision tower and projector (``vision_config`` of config.json)."""
+
+    width: int  # hidden_size
+    depth: int  # num_hidden_layers
+    mlp: int  # intermediate_size
+    heads: int
+    patches: int  # per image: (image_size / patch_size)^2
+    patch_weights: int  # channels * patch_size^2 (the patch embedding's input)
+    text_hidden: int  # the projector's output
+
+    @property
+    def params(self) -> int:
+        w, m = self.width, self.mlp
+        layer = 4 * (w * w + w) + (w * m + m) + (m * w + w) + 4 * w
+        embed = self.patch_weights * w + w + self.patches * w
+        return self.depth * layer + embed + 2 * w + w + w * self.text_hidden
+
+
+# SigLIP-So400m at 896 x 896 in 14 x 14 patches, the tower of Gemma 3 4B, 12B and 27B.
+_GEMMA3_TOWER = dict(width=1152, depth=27, mlp=4304, heads=16, patches=64 * 64, patch_weights=588)
+
+
+def vision_shape(source: str) -> VisionShape | None:
+    """The vision tower of spec.model (a local config.json, else Gemma 3's known sizes)."""
+    if "://" not in source:
+        try:
+            config = json.loads((Path(source) / "config.json").read_text())
+            vc, text = config["vision_config"], config["text_config"]
+            size, patch = int(vc.get("image_size", 224)), int(vc.get("patch_size", 16))
+            return VisionShape(
+                width=int(vc["hidden_size"]),
+                depth=int(vc["num_hidden_layers"]),
+                mlp=int(vc["intermediate_size"]),
+                heads=int(vc["num_attention_heads"]),
+                patches=(size // patch) ** 2,
+                patch_weights=int(vc.get("num_channels", 3)) * patch * patch,
+                text_hidden=int(text["hidden_size"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    text = from_name(source)
+    if text is None or has_vision_tower(source) is not True:
+        return None
+    return VisionShape(**_GEMMA3_TOWER, text_hidden=text.hidden)

@@ -1,0 +1,48 @@
+"""The memory estimate of a job with images counts Gemma 3's vision tower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from invalid_jobs import valid_job
+
+from posttrain import capacity, catalog
+from posttrain.api import model_shapes
+from posttrain.api.spec import PostTrainJobSpec
+
+FIXTURE = Path(__file__).resolve().parents[1] / "trainer" / "fixtures" / "gemma3-vision"
+
+
+def _estimate(images: bool, lora: bool = True):
+    doc = valid_job()
+    doc["spec"].update(
+        model={"source": "hf://google/gemma-3-4b-it"}, resources={"accelerator": "v6e-8"}
+    )
+    if images:
+        doc["spec"]["data"]["columns"] = {"images": "images"}
+    if lora:
+        doc["spec"]["lora"] = {"rank": 16}
+    spec = PostTrainJobSpec.model_validate(doc["spec"])
+    return capacity.estimate(spec, catalog.resolve("v6e-8", None))
+
+
+def test_vision_shape_counts_every_tensor_of_the_tower_and_projector():
+    from safetensors.numpy import load_file
+
+    tensors = load_file(FIXTURE / "model.safetensors")
+    tower = sum(v.size for k, v in tensors.items() if k.startswith(("vision_tower", "multi_modal")))
+    assert model_shapes.vision_shape(str(FIXTURE)).params == tower
+    # SigLIP-So400m and Gemma 3 4B's projector: about 420M weights
+    assert 4.1e8 < model_shapes.vision_shape("hf://google/gemma-3-4b-it").params < 4.3e8
+    assert model_shapes.vision_shape("hf://google/gemma-3-1b-it") is None
+
+
+def test_images_add_the_frozen_tower_and_its_activations():
+    text, vision = _estimate(images=False), _estimate(images=True)
+    assert text.terms["vision tower"] == 0
+    params = model_shapes.vision_shape("hf://google/gemma-3-4b-it").params
+    fsdp = vision.layout.per_slice
+    assert abs(vision.terms["vision tower"] * capacity.GIB - params * 2 / fsdp) < 1
+    assert vision.terms["activations"] > text.terms["activations"]
+    full = _estimate(images=True, lora=False)
+    assert abs(full.terms["vision tower"] * capacity.GIB - params * 6 / fsdp) < 1
