@@ -389,11 +389,21 @@ def test_killed_run_resumes_bitwise_identical(
     assert not storage.exists(storage.join(str(out), "hf")), (
         "the run finished before it was killed; nothing was tested"
     )
+    record = json.loads(storage.read_text(storage.join(str(out), "goodput.json")))
     proc = _posttrain_run(job_file)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log
     assert "resumed from checkpoint step" in log
     assert_bitwise_equal(adapter(out), adapter(long_reference))
+    # Goodput over both attempts: the steps the killed one recorded past the checkpoint
+    # the second resumed from are lost (none after SIGTERM, which checkpoints first).
+    resumed = int(re.search(r"resumed from checkpoint step (\d+)", log).group(1))
+    summary = json.loads(storage.read_text(storage.join(str(out), "summary.json")))["goodput"]
+    assert summary["attempts"] == 2
+    assert summary["lostSteps"] == record["reached"] - resumed
+    if sig == signal.SIGTERM:
+        assert summary["lostSteps"] == 0
+    assert sum(summary["fractions"].values()) == pytest.approx(1.0)
 
 
 def test_checkpoints_and_outputs_on_gcs(model_dir, reference, gcs, caplog):
