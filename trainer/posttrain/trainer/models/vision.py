@@ -240,14 +240,6 @@ def param_maps(vi: VisionInfo, text_hidden: int) -> list:
     return maps
 
 
-def is_vision_param(path: tuple) -> bool:
-    """The params of the vision tower and of the projector (the rest is the decoder)."""
-    return bool(path) and (
-        path[0] == "vision_encoder"
-        or (len(path) > 1 and path[0] == "embedder" and path[1].startswith("mm_"))
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------
@@ -300,16 +292,8 @@ def image_token_id(model: nnx.Module) -> int:
     return int(vc.soft_token_placeholder)
 
 
-def full_finetune_params(train_tower: bool = False) -> Any:
-    """The nnx filter of what a full fine-tune of a vision model trains: everything but the
-    vision tower (the projector and the language model) unless ``train_tower``. Tunix's
-    SigLIP stops gradients at its output; training the tower lifts that
-    (``unfreeze_tower``)."""
-    if train_tower:
-        return nnx.Param
+def full_finetune_params() -> Any:
+    """The nnx filter of what a full fine-tune of a vision model trains: the projector
+    and the language model; the vision tower stays frozen (Tunix's SigLIP also stops
+    gradients at its output)."""
     return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_encoder")))
-
-
-def unfreeze_tower(model: nnx.Module) -> None:
-    """Let gradients reach the vision tower (Tunix stops them at its output)."""
-    model.vision_encoder.apply_stop_gradient = False
