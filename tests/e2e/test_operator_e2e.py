@@ -372,30 +372,35 @@ def test_image_that_cannot_be_pulled_is_named(cluster: Cluster, namespace: str, 
     then ImagePullBackOff wrapping the pull's error, and again. The job names the image
     and the pull's error, and stays still while the kubelet alternates."""
     tpu_job(cluster, namespace, "nopull", "posttrain-trainer:no-such-tag")
-    row = wait_for(
-        lambda: (r := get_row(cluster, namespace, "nopull")) and "cannot pull" in r and r,
-        timeout=60,
-        describe=lambda: cluster.describe(namespace),
-    )
-    assert row.split()[4] == "Pending", row
-    assert "container trainer of pod nopull-slice-0-" in row, row
-    assert "cannot pull image 'posttrain-trainer:no-such-tag': rpc error: code = NotFound" in row
-    seen, statuses, both = set(), set(), {"ErrImagePull", "ImagePullBackOff"}
-    deadline = time.monotonic() + 6
-    while time.monotonic() < deadline or not both <= seen:
-        assert time.monotonic() < deadline + 20, seen
-        seen |= {
-            cs.state.waiting.reason
-            for p in pods(cluster, namespace)
-            for cs in p.status.container_statuses or []
-            if cs.state.waiting
-        }
-        st = status(cluster, namespace, "nopull")
-        running = {c["type"]: c for c in st["conditions"]}["Running"]
-        statuses.add((st["phase"], st["message"], running["reason"]))
-        time.sleep(0.3)
-    assert len(statuses) == 1 and statuses.pop()[2] == "ErrImagePull", statuses
-    assert reasons(cluster, namespace, "nopull").count("ErrImagePull") == 1
+    try:
+        row = wait_for(
+            lambda: (r := get_row(cluster, namespace, "nopull")) and "cannot pull" in r and r,
+            timeout=60,
+            describe=lambda: cluster.describe(namespace),
+        )
+        assert row.split()[4] == "Pending", row
+        assert "container trainer of pod nopull-slice-0-" in row, row
+        assert (
+            "cannot pull image 'posttrain-trainer:no-such-tag': rpc error: code = NotFound" in row
+        )
+        seen, statuses, both = set(), set(), {"ErrImagePull", "ImagePullBackOff"}
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline or not both <= seen:
+            assert time.monotonic() < deadline + 20, seen
+            seen |= {
+                cs.state.waiting.reason
+                for p in pods(cluster, namespace)
+                for cs in p.status.container_statuses or []
+                if cs.state.waiting
+            }
+            st = status(cluster, namespace, "nopull")
+            running = {c["type"]: c for c in st["conditions"]}["Running"]
+            statuses.add((st["phase"], st["message"], running["reason"]))
+            time.sleep(0.3)
+        assert len(statuses) == 1 and statuses.pop()[2] == "ErrImagePull", statuses
+        assert reasons(cluster, namespace, "nopull").count("ErrImagePull") == 1
+    finally:  # its pods hold a slice until they go
+        cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
 
 
 def test_inactive_cluster_queue_says_why(cluster: Cluster, namespace: str, operator):
@@ -488,7 +493,9 @@ def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace:
     try:
         tpu_job(cluster, namespace, "pausing", "posttrain-trainer:long", queue="tpu")
         wait_for(
-            lambda: status(cluster, namespace, "pausing").get("phase") == "Running", timeout=60
+            lambda: status(cluster, namespace, "pausing").get("phase") == "Running",
+            timeout=60,
+            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads,pods"),
         )
         cluster.kubectl(
             "patch", "ptj", "pausing", "-n", namespace, "--type=merge", "-p", patch % "true"
