@@ -230,6 +230,13 @@ class Optimizer(StrEnum):
     sgd = "sgd"
 
 
+class Remat(StrEnum):
+    auto = "auto"
+    none = "none"
+    block = "block"
+    layer = "layer"
+
+
 class TrainingSpec(KubeModel):
     """Optimisation settings."""
 
@@ -243,6 +250,14 @@ class TrainingSpec(KubeModel):
 
     gradient_accumulation: int = Field(default=1, ge=1, le=4096)
     """Micro-batches per optimizer step; batchSize must divide by it."""
+
+    remat: Remat = Remat.auto
+    """Rematerialisation (activation checkpointing): what the backward pass recomputes
+    rather than keeps. layer: keep only each decoder layer's input and recompute the
+    layer during backward (about a third more compute, a fraction of the memory); block:
+    recompute the attention and the MLP of each layer separately (keeps a little more);
+    none: keep every layer's activations (fastest, most memory). auto: layer on TPUs and
+    GPUs, none on CPU."""
 
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
     """Peak learning rate."""

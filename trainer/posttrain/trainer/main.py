@@ -47,11 +47,13 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         print(f"posttrain: {e}", file=sys.stderr)
         return e.exit_code
     from posttrain.trainer.loop import StopFlag, train
+    from posttrain.trainer.models import remat_policy
 
     stop = StopFlag()
     stop.install()
     try:
-        result = train(job, info, show_bar=show_bar, stop=stop)
+        with remat_policy(job.spec.training.remat):  # every model the job loads
+            result = train(job, info, show_bar=show_bar, stop=stop)
     except storage.Unreachable as e:  # a server that did not answer: worth a retry
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE
@@ -110,7 +112,7 @@ def export_command(args: argparse.Namespace) -> int:
         print(f"posttrain: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     from posttrain.trainer import pathways, storage
-    from posttrain.trainer.loop import export_checkpoint
+    from posttrain.trainer.export import export_checkpoint
 
     try:
         step, uri = export_checkpoint(job, args.step, args.format, best=args.best)

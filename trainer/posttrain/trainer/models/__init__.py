@@ -30,6 +30,8 @@ from posttrain.trainer.models.config import (
     detect_family,
     model_info,
     read_hf_config,
+    remat_policy,
+    resolve_remat,
 )
 from posttrain.trainer.models.families import FAMILIES
 from posttrain.trainer.models.generation import (
@@ -66,6 +68,8 @@ __all__ = [
     "model_info",
     "param_maps",
     "read_hf_config",
+    "remat_policy",
+    "resolve_remat",
     "rope_inv_freq",
     "write_safetensors",
 ]

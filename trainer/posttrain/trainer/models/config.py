@@ -8,12 +8,15 @@ directory's config into the ``ModelInfo`` the loader, the saver and LoRA share.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from tunix.models.gemma import model as gemma2_lib
 from tunix.models.gemma3 import model as gemma3_lib
@@ -48,6 +51,48 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     compute_dtype: Any = None  # of the forward pass (see compute_view)
     vision: Any = None  # posttrain.trainer.models.vision.VisionInfo when the vision tower is loaded
+
+
+# spec.training.remat -> the name of the Tunix RematConfig member every family's model has:
+# DECODER wraps a whole decoder layer in nnx.remat, BLOCK its attention and its MLP apart.
+REMAT_CONFIGS = {"none": "NONE", "block": "BLOCK", "layer": "DECODER"}
+_REMAT = contextvars.ContextVar("posttrain_remat", default="auto")
+
+
+@contextlib.contextmanager
+def remat_policy(remat: str):
+    """spec.training.remat for the models loaded inside (the job's policy and its
+    reference or teacher copies), where the caller does not pass ``remat``."""
+    token = _REMAT.set(str(remat))
+    try:
+        yield
+    finally:
+        _REMAT.reset(token)
+
+
+def resolve_remat(remat: str | None = None) -> str:
+    """none, block or layer: ``auto`` (the default) is layer on accelerators (TPU, GPU)
+    and none on CPU, where models are small and recomputing only slows the step."""
+    remat = str(remat or _REMAT.get())
+    if remat == "auto":
+        return "none" if jax.default_backend() == "cpu" else "layer"
+    if remat not in REMAT_CONFIGS:
+        raise ValueError(f"spec.training.remat: {remat!r} is not one of auto, none, block, layer")
+    return remat
+
+
+def with_remat(config: Any, family: str, remat: str) -> Any:
+    """``config`` with the Tunix RematConfig of ``remat`` (none, block or layer)."""
+    if remat == "none":
+        return config
+    current = getattr(config, "remat_config", None)
+    if current is None:
+        raise ValueError(
+            f"spec.training.remat: {remat}, but posttrain's {family} model cannot "
+            "rematerialise; use auto or none"
+        )
+    member = type(current)[REMAT_CONFIGS[remat]]
+    return dataclasses.replace(config, remat_config=member)
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
@@ -262,10 +307,12 @@ def model_info(
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
     vision: bool = False,
+    remat: str | None = None,
 ) -> tuple[ModelInfo, dict]:
     """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights.
     ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors);
-    ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.models.vision``)."""
+    ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.models.vision``);
+    ``remat`` is spec.training.remat (default: the ``remat_policy`` in force, else auto)."""
     model_dir = Path(model_dir)
     if family in (None, "", "auto"):
         family = detect_family(model_dir)
@@ -276,7 +323,7 @@ def model_info(
         hf = _first_layers(hf, num_layers, model_dir, layers_field)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     config, extras = build_config(family, hf, dtype, compute_dtype)
-    config = shard_batch_over_slices(config)
+    config = with_remat(shard_batch_over_slices(config), family, resolve_remat(remat))
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     info = ModelInfo(
         family=family,

@@ -99,6 +99,7 @@ def load_model(
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
     vision: bool = False,
+    remat: str | None = None,
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
@@ -109,6 +110,7 @@ def load_model(
     ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
     blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
     ``vision`` loads Gemma 3's vision tower and projector too (``posttrain.trainer.models.vision``).
+    ``remat`` is spec.training.remat (``model_info``).
     """
     info, extras = model_info(
         model_dir,
@@ -118,6 +120,7 @@ def load_model(
         num_layers=num_layers,
         layers_field=layers_field,
         vision=vision,
+        remat=remat,
     )
     mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
     reader = SafetensorsDir(str(weights or model_dir))

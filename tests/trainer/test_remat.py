@@ -1,0 +1,68 @@
+"""spec.training.remat: a decoder layer (or its attention and MLP) recomputed in backward
+instead of kept trains the same losses as keeping everything, and is really in the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from tiny_job import run_job, tiny_job, validated
+from tiny_model import make_tiny_llama
+
+from posttrain.trainer import models
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def _losses(model_dir: Path, out: Path, remat: str) -> list[float]:
+    doc = tiny_job(model_dir, DATA, out, steps=3, every=3, lora=False,
+                   training={"logEverySteps": 1, "remat": remat})  # fmt: skip
+    job = validated(doc)
+    with models.remat_policy(job.spec.training.remat):  # as posttrain train runs a job
+        result = run_job(job)
+    return [result.losses[s] for s in sorted(result.losses)]
+
+
+def test_remat_trains_the_same_losses(model_dir, tmp_path):
+    none = _losses(model_dir, tmp_path / "none", "none")
+    assert len(none) == 3
+    layer = _losses(model_dir, tmp_path / "layer", "layer")  # block: its program below
+    np.testing.assert_allclose(layer, none, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "remat,config", [("layer", "DECODER"), ("block", "BLOCK"), ("none", "NONE")]
+)
+def test_the_step_recomputes_what_remat_says(model_dir, remat, config):
+    """The Tunix config says it, and the gradient's program holds that many remat calls."""
+    info, extras = models.model_info(model_dir, remat=remat)
+    assert info.config.remat_config.name == config
+    model = models.abstract_model(info, extras, models.make_mesh(1, 1, jax.devices()[:1]))
+    graphdef, state = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((2, 16), np.int32)
+
+    def loss(state, ids):
+        logits = models.forward(nnx.merge(graphdef, state), ids)
+        return logits.astype(np.float32).mean()
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state, ids))
+    per_layer = {"layer": 1, "block": 2, "none": 0}[remat]
+    assert jaxpr.count("remat") + jaxpr.count("checkpoint[") >= per_layer * info.num_layers
+    if remat == "none":
+        assert "remat" not in jaxpr and "checkpoint[" not in jaxpr
+
+
+def test_auto_is_none_on_cpu_and_unknown_values_name_the_field():
+    assert models.resolve_remat("auto") == "none"  # these tests run on CPU
+    assert models.resolve_remat("layer") == "layer"
+    with pytest.raises(ValueError, match="spec.training.remat"):
+        models.resolve_remat("everything")
