@@ -1,15 +1,20 @@
-"""The few Kubernetes API calls the operator makes, over the official client."""
+"""The few Kubernetes API calls the operator makes: plain JSON over the official client's
+connection pool and credentials, without its typed API classes (each costs memory and
+none is needed: every object here is a dict).
+
+Errors a later retry can change (throttling, a server error, a timeout, a conflict) are
+`Retry`; a create the API server refuses for good, or an existing object the job does
+not own, is `Refused`.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-import kopf
 import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -18,51 +23,26 @@ from posttrain.api.spec import GROUP, PLURAL, VERSION
 from posttrain.render.jobset import JOBSET_API_VERSION
 
 log = logging.getLogger("posttrain.operator")
-JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
-JOBSETS = "jobsets"
-T = TypeVar("T")
-
-
-@functools.cache
-def _api_client() -> client.ApiClient:
-    """One client (and connection pool) shared by every handler thread."""
-    configuration = client.Configuration.get_default_copy()
-    configuration.connection_pool_maxsize = 32
-    return client.ApiClient(configuration)
-
-
-def _custom() -> client.CustomObjectsApi:
-    return client.CustomObjectsApi(_api_client())
-
-
-# The kinds of a job's objects other than its JobSet: (client API, method name part).
-_TYPED = {
-    "ServiceAccount": (client.CoreV1Api, "service_account"),
-    "ConfigMap": (client.CoreV1Api, "config_map"),
-    "Role": (client.RbacAuthorizationV1Api, "role"),
-    "RoleBinding": (client.RbacAuthorizationV1Api, "role_binding"),
+JOB_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/{PLURAL}"
+# The collection path of each kind of a job's objects.
+COLLECTIONS = {
+    "ServiceAccount": "/api/v1/namespaces/{namespace}/serviceaccounts",
+    "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+    "JobSet": f"/apis/{JOBSET_API_VERSION}/namespaces/{{namespace}}/jobsets",
+    "Event": "/api/v1/namespaces/{namespace}/events",
+    "Lease": "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
 }
+MERGE_PATCH = "application/merge-patch+json"
 
 
-def _method(kind: str, verb: str) -> Callable[..., Any]:
-    """The client call that does `verb` ("create" or "read") to a job's object of `kind`:
-    create(namespace, body, **kw), read(name, namespace, **kw)."""
-    if kind == "JobSet":
-        custom = _custom()
-        if verb == "create":
-            return lambda ns, body, **kw: custom.create_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, body, **kw
-            )
-        return lambda name, ns, **kw: custom.get_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, name, **kw
-        )
-    api, name = _TYPED[kind]
-    return getattr(api(_api_client()), f"{verb}_namespaced_{name}")
+class Retry(Exception):
+    """A call that may succeed later: retry after about `delay` seconds."""
 
-
-def temporary(e: Exception) -> kopf.TemporaryError:
-    """Turn an API or connection error into a kopf retry."""
-    return kopf.TemporaryError(f"Kubernetes API: {e}", delay=2)
+    def __init__(self, message: str, delay: float = 1.0):
+        super().__init__(message)
+        self.delay = delay
 
 
 class Refused(Exception):
@@ -75,34 +55,79 @@ class Refused(Exception):
         self.reason = reason
 
 
-class Leftover(kopf.TemporaryError):
+class Leftover(Retry):
     """An object of the job's name is left from a deleted job of the same name."""
 
 
-# Answers that a later retry can change: not found yet (something it refers to), a
-# timeout, a conflict, throttling, and a ResourceQuota that is full for now (403). Any
-# other 4xx is the server refusing the object.
-RETRIABLE_4XX = {404, 408, 409, 429}
+@functools.cache
+def _api_client() -> client.ApiClient:
+    """One client (and connection pool) shared by every thread."""
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
 
 
-def _server_message(e: ApiException) -> str:
+def request(
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    content_type: str = "application/json",
+    query: list[tuple[str, str]] | None = None,
+    timeout: float = 30,
+) -> dict[str, Any]:
+    """One API call; the decoded JSON answer. Raises ApiException for an answer that is
+    not 2xx, urllib3's errors when the server cannot be reached."""
+    api = _api_client()
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = content_type
+    method, url, headers, body, post = api.param_serialize(
+        method=method,
+        resource_path=path,
+        query_params=query or [],
+        header_params=headers,
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    response = api.call_api(method, url, headers, body, post, _request_timeout=(5, timeout))
+    response.read()
+    if not 200 <= response.status <= 299:
+        raise ApiException.from_response(http_resp=response, body=None, data=None)
+    return json.loads(response.data) if response.data else {}
+
+
+def server_message(e: ApiException) -> str:
     try:
         return json.loads(e.body)["message"]
     except (TypeError, ValueError, KeyError):
         return str(e.reason or e.status)
 
 
+def _retry_after(e: ApiException) -> float:
+    try:
+        return float((e.headers or {}).get("Retry-After") or 1)
+    except ValueError:
+        return 1.0
+
+
+def retry(e: Exception, what: str) -> Retry:
+    """A transient error as a Retry (throttling honours the server's Retry-After)."""
+    if isinstance(e, ApiException):
+        return Retry(f"{what}: {e.status} {server_message(e)}", _retry_after(e))
+    return Retry(f"{what}: {e}", 2.0)
+
+
 def owner_uids(obj: dict[str, Any]) -> set[str]:
     return {r.get("uid") for r in obj.get("metadata", {}).get("ownerReferences") or []}
 
 
-def owned(namespace: str, existing: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+def owned(existing: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
     """`existing` if it belongs to the job that `wanted` is rendered for. A leftover of an
     earlier job of the same name is waited for (the garbage collector removes it); any
     other object is never used."""
     kind, name = wanted["kind"], wanted["metadata"]["name"]
-    mine = owner_uids(wanted)
-    if owner_uids(existing) & mine:
+    if owner_uids(existing) & owner_uids(wanted):
         return existing
     (job_ref,) = wanted["metadata"]["ownerReferences"]
     earlier = [
@@ -125,127 +150,71 @@ def owned(namespace: str, existing: dict[str, Any], wanted: dict[str, Any]) -> d
     )
 
 
+# Answers that a later retry can change: not found yet (something it refers to), a
+# timeout, a conflict, throttling. Any other 4xx is the server refusing the object.
+RETRIABLE_4XX = {404, 408, 409, 429}
+
+
 def create_or_get_owned(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Create obj; (stored object, True). If it exists and the job owns it (by UID):
     (that object, False). Raises Refused when it exists and is someone else's, or the
-    API server refuses it for a reason retrying cannot fix; transient errors retry."""
+    API server refuses it for a reason retrying cannot fix; Retry for the rest."""
     kind, name = obj["kind"], obj["metadata"]["name"]
+    collection = COLLECTIONS[kind].format(namespace=namespace)
     try:
-        response = _method(kind, "create")(namespace, obj, _preload_content=False)
-        return json.loads(response.data), True
+        return request("POST", collection, obj), True
     except ApiException as e:
         if e.status == 409:
-            existing = _call(
-                lambda: json.loads(
-                    _method(kind, "read")(name, namespace, _preload_content=False).data
-                )
-            )
+            existing = read(f"{collection}/{name}")
             if existing is None:  # deleted meanwhile
-                raise kopf.TemporaryError(f"{kind} {name} was just deleted", delay=1) from e
-            return owned(namespace, existing, obj), False
-        if e.status == 403 and "exceeded quota" in _server_message(e):
-            raise kopf.TemporaryError(f"{kind} {name}: {_server_message(e)}", delay=30) from e
+                raise Retry(f"{kind} {name} was just deleted") from e
+            return owned(existing, obj), False
+        message = server_message(e)
+        if e.status == 403 and "exceeded quota" in message:
+            raise Retry(f"{kind} {name}: {message}", delay=30) from e
         if e.status and 400 <= e.status < 500 and e.status not in RETRIABLE_4XX:
-            raise Refused(
-                "InvalidSpec",
-                f"the API server refused {kind} {name}: {_server_message(e)}",
-            ) from e
-        raise temporary(e) from e
+            raise Refused("InvalidSpec", f"the API server refused {kind} {name}: {message}") from e
+        raise retry(e, f"create {kind} {name}") from e
     except urllib3.exceptions.HTTPError as e:
-        raise temporary(e) from e
+        raise retry(e, f"create {kind} {name}") from e
 
 
-def _call(call: Callable[[], T], *, missing: T | None = None) -> T | None:
-    """call(); `missing` when the object is gone (404). Other API and connection errors
-    become kopf retries."""
+def read(path: str) -> dict[str, Any] | None:
+    """The object at path; None when there is none."""
     try:
-        return call()
+        return request("GET", path)
     except ApiException as e:
         if e.status == 404:
-            return missing
-        raise temporary(e) from e
-    except urllib3.exceptions.HTTPError as e:
-        raise temporary(e) from e
-
-
-def get_jobset(namespace: str, name: str) -> dict[str, Any] | None:
-    return _call(
-        lambda: _custom().get_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name
-        )
-    )
-
-
-def patch_jobset(namespace: str, name: str, patch: dict[str, Any]) -> None:
-    _call(
-        lambda: _custom().patch_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSETS, name, patch
-        )
-    )
-
-
-def set_workload_active(namespace: str, name: str, active: bool) -> None:
-    """Deactivate (or activate) a Kueue Workload: Kueue's way to stop a job it admitted."""
-    _call(
-        lambda: _custom().patch_namespaced_custom_object(
-            "kueue.x-k8s.io", "v1beta2", namespace, "workloads", name, {"spec": {"active": active}}
-        )
-    )
-
-
-def pending_workloads(namespace: str, queue: str) -> dict[str, Any] | None:
-    """Kueue's visibility API: a LocalQueue's pending Workloads with their positions
-    (PendingWorkloadsSummary); None where it cannot be read (not served, no such queue)."""
-    path = (
-        f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{namespace}/localqueues/"
-        f"{queue}/pendingworkloads"
-    )
-    api = _api_client()
-    try:
-        request = api.param_serialize(
-            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
-        )
-        response = api.call_api(*request, _request_timeout=5)
-        response.read()
-        if response.status != 200:
-            log.debug("no queue positions for %s/%s: HTTP %s", namespace, queue, response.status)
             return None
-        return json.loads(response.data)
-    except (ApiException, urllib3.exceptions.HTTPError, ValueError) as e:
-        log.debug("no queue positions for %s/%s: %s", namespace, queue, e)
-        return None
+        raise retry(e, f"read {path}") from e
+    except urllib3.exceptions.HTTPError as e:
+        raise retry(e, f"read {path}") from e
 
 
-def get_job(namespace: str, name: str) -> dict[str, Any] | None:
-    return _call(
-        lambda: _custom().get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    )
-
-
-class Conflict(Exception):
-    """The object changed since it was read (optimistic concurrency)."""
-
-
-def patch_job_status(
-    namespace: str, name: str, status: dict[str, Any], resource_version: str | None = None
-) -> None:
-    """Merge-patch status; with resource_version, only if the object is unchanged since
-    (raises Conflict otherwise)."""
-    body: dict[str, Any] = {"status": status}
-    if resource_version:
-        body["metadata"] = {"resourceVersion": resource_version}
+def patch(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """Merge-patch the object at path; the object after it, None when it is gone."""
     try:
-        _custom().patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, body
-        )
+        return request("PATCH", path, body, content_type=MERGE_PATCH)
     except ApiException as e:
         if e.status == 404:
-            return
-        if e.status == 409 and resource_version:
-            raise Conflict(name) from e
-        raise temporary(e) from e
+            return None
+        raise retry(e, f"patch {path}") from e
     except urllib3.exceptions.HTTPError as e:
-        raise temporary(e) from e
+        raise retry(e, f"patch {path}") from e
+
+
+def job_path(namespace: str, name: str) -> str:
+    return f"{JOB_PATH.format(namespace=namespace)}/{name}"
+
+
+def jobset_path(namespace: str, name: str) -> str:
+    return f"{COLLECTIONS['JobSet'].format(namespace=namespace)}/{name}"
+
+
+def patch_job_status(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
+    """Merge-patch the job's status (only the fields the operator owns: the trainer's
+    `progress` stays); the job after it, None when it is gone."""
+    return patch(f"{job_path(namespace, name)}/status", {"status": status})
 
 
 _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="create")
@@ -253,6 +222,10 @@ _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="create")
 
 def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
     """create_or_get_owned for several independent objects at once (one round trip deep);
-    the first error of any of them is raised once all have answered."""
+    the first error of any of them is raised once all have answered (a refusal before a
+    retry: it is final)."""
     futures = [_pool.submit(create_or_get_owned, namespace, obj) for obj in objects]
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        raise next((e for e in errors if isinstance(e, Refused)), errors[0])
     return [f.result() for f in futures]

@@ -2,7 +2,8 @@
 
 The holder renews the Lease every `renew` seconds; a standby takes it over once it has
 not been renewed for `duration` seconds. Updates carry the Lease's resourceVersion, so
-two candidates cannot both win the same round.
+two candidates cannot both win the same round. A holder renews from the Lease its last
+update returned: one request per round (it reads again only after a conflict).
 
 While the API server is unreachable the holder keeps acting (nobody else can take the
 Lease through a server that is down); it steps down as soon as it sees another holder.
@@ -14,10 +15,12 @@ import datetime
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import urllib3
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from posttrain.controller import kube
 
 log = logging.getLogger("posttrain.leader")
 
@@ -26,61 +29,88 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def _time(dt: datetime.datetime) -> str:
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(text: str | None) -> datetime.datetime | None:
+    if not text:
+        return None
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 class LeaseElector:
     def __init__(
         self, namespace: str, name: str, identity: str, duration: int = 15, renew: float = 3
     ):
         self.namespace, self.name, self.identity = namespace, name, identity
         self.duration, self.renew = duration, renew
-        self.api = client.CoordinationV1Api()
+        self.collection = kube.COLLECTIONS["Lease"].format(namespace=namespace)
+        self.path = f"{self.collection}/{name}"
+        self.lease: dict[str, Any] | None = None  # as the last read or update returned it
 
-    def _spec(self, transitions: int, acquire_time: datetime.datetime) -> client.V1LeaseSpec:
-        return client.V1LeaseSpec(
-            holder_identity=self.identity,
-            lease_duration_seconds=self.duration,
-            acquire_time=acquire_time,
-            renew_time=_now(),
-            lease_transitions=transitions,
-        )
+    def _spec(self, transitions: int, acquire_time: str) -> dict[str, Any]:
+        return {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": self.duration,
+            "acquireTime": acquire_time,
+            "renewTime": _time(_now()),
+            "leaseTransitions": transitions,
+        }
+
+    def _read(self) -> dict[str, Any] | None:
+        """The Lease, {} when there is none."""
+        try:
+            return kube.request("GET", self.path)
+        except ApiException as e:
+            return {} if e.status == 404 else None
 
     def try_acquire(self) -> bool | None:
         """One round: True when this replica holds the Lease afterwards, False when
         another does, None when the API server could not be reached."""
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace)
-        except ApiException as e:
-            if e.status != 404:
-                return None
-            body = client.V1Lease(
-                metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                spec=self._spec(0, _now()),
-            )
+            return self._round()
+        except urllib3.exceptions.HTTPError:
+            return None
+
+    def _round(self, again: bool = True) -> bool | None:
+        lease = self.lease or self._read()
+        if lease is None:
+            return None
+        if not lease:
+            body = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": self._spec(0, _time(_now())),
+            }
             try:
-                self.api.create_namespaced_lease(self.namespace, body)
+                self.lease = kube.request("POST", self.collection, body)
                 return True
             except ApiException:
                 return False
-        except urllib3.exceptions.HTTPError:
-            return None
-        spec = lease.spec
-        mine = spec.holder_identity == self.identity
-        renewed = spec.renew_time or spec.acquire_time
+        spec = lease.get("spec") or {}
+        mine = spec.get("holderIdentity") == self.identity
+        renewed = _parse(spec.get("renewTime") or spec.get("acquireTime"))
         expired = renewed is None or (_now() - renewed).total_seconds() > (
-            spec.lease_duration_seconds or self.duration
+            spec.get("leaseDurationSeconds") or self.duration
         )
-        if not (mine or expired or not spec.holder_identity):
+        if not (mine or expired or not spec.get("holderIdentity")):
+            self.lease = None
             return False
-        transitions = (spec.lease_transitions or 0) + (0 if mine else 1)
-        lease.spec = self._spec(transitions, spec.acquire_time if mine else _now())
+        transitions = (spec.get("leaseTransitions") or 0) + (0 if mine else 1)
+        acquired = spec.get("acquireTime") if mine else _time(_now())
+        update = {**lease, "spec": self._spec(transitions, acquired or _time(_now()))}
         try:
-            self.api.replace_namespaced_lease(self.name, self.namespace, lease)
-            if not mine:
-                log.info("acquired lease %s/%s as %s", self.namespace, self.name, self.identity)
-            return True
-        except ApiException:
-            return False  # someone else updated it first
-        except urllib3.exceptions.HTTPError:
-            return None
+            self.lease = kube.request("PUT", self.path, update)
+        except ApiException as e:
+            self.lease = None
+            if e.status == 409 and mine and again:
+                return self._round(again=False)  # renewed an old copy: read, try once more
+            return False if e.status == 409 else None
+        if not mine:
+            log.info("acquired lease %s/%s as %s", self.namespace, self.name, self.identity)
+        return True
 
     def wait_until_leader(self, stop: threading.Event, on_round: Callable[[], None]) -> bool:
         while not stop.is_set():
@@ -104,10 +134,10 @@ class LeaseElector:
     def release(self) -> None:
         """Give the Lease up on a clean shutdown so a standby takes over at once."""
         try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec.holder_identity == self.identity:
-                lease.spec.holder_identity = None
-                lease.spec.renew_time = None
-                self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+            lease = self._read()
+            spec = (lease or {}).get("spec") or {}
+            if spec.get("holderIdentity") == self.identity:
+                spec = {**spec, "holderIdentity": None, "renewTime": None}
+                kube.request("PUT", self.path, {**lease, "spec": spec})
         except (ApiException, urllib3.exceptions.HTTPError):
             pass

@@ -22,7 +22,13 @@ import threading
 import kopf
 from kubernetes import config as kube_config
 
-from posttrain.controller import handlers, metrics, watches, webhook
+from posttrain.controller import (
+    handlers,  # noqa: F401 (registers the kopf handlers)
+    metrics,
+    reconcile,
+    watches,
+    webhook,
+)
 from posttrain.controller.leader import LeaseElector
 from posttrain.render import RenderConfig
 
@@ -85,12 +91,7 @@ def _render_config() -> RenderConfig:
 
 def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="posttrain.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="posttrain.dev", key="last-handled-configuration"
-    )
     settings.posting.level = logging.INFO
-    settings.execution.max_workers = 16
     settings.networking.request_timeout = 30
     settings.networking.connect_timeout = 5
     settings.watching.server_timeout = 120
@@ -103,7 +104,7 @@ def operator_command(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps stacks
     _configure_logging()
     _load_kube_config()
-    handlers.State.render_config = _render_config()
+    reconcile.State.render_config = _render_config()
     metrics.serve(args.metrics_port)
     log = logging.getLogger("posttrain.operator")
     if args.webhook_port:

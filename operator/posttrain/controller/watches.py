@@ -1,10 +1,10 @@
-"""What the operator watches besides its jobs, kept in kopf indexes (in memory).
+"""What the operator watches, kept in kopf indexes (in memory): the cache every reconcile
+reads instead of the API server.
 
-The handlers decide a job's status from its JobSet, its pods and its Kueue Workload
-(`phase.status_patch`); these indexes hold them, fed by watch streams, so that deciding
-reads nothing from the API server:
-
-- jobs and JobSets by (namespace, job name);
+- jobs by (namespace, name): the job without what the operator never reads (managed
+  fields, annotations such as kubectl's last-applied copy);
+- JobSets by (namespace, job name): `jobset_summary`, the few fields the phase, the
+  ownership check and the scheduling fields need (not the pod templates);
 - a summary of each pod (`phase.pod_state`) by (namespace, job name): only pods with the
   job-name label are streamed (a server-side label selector, see `selectors`);
 - a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
@@ -20,6 +20,8 @@ per LocalQueue with waiting jobs every 10 s (1 s when one of them is not listed 
 not one per job.
 
 An index is a kopf mapping from a key to the values of every object that gave that key.
+kopf runs no handler before every index holds its first listing, so a reconcile never
+takes a JobSet that is not listed yet for a missing one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from posttrain.render.jobset import JOB_NAME_LABEL, JOBSET_API_VERSION, KUEUE_QU
 JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on every Workload Kueue makes for a job
+# On each JobSet: the job's spec.scheduling fields it was made or last patched from.
+SCHEDULING_ANNOTATION = "posttrain.dev/scheduling"
 Key = tuple[str, str]
 
 
@@ -59,14 +63,72 @@ def jobset_owned(body: kopf.Body, **_: Any) -> bool:
     )
 
 
+def _meta(meta: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: meta[k] for k in keys if meta.get(k) is not None}
+
+
+def job_summary(body: dict[str, Any]) -> dict[str, Any]:
+    """What reconciling a job reads of it."""
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": _meta(
+            meta,
+            "name",
+            "namespace",
+            "uid",
+            "generation",
+            "resourceVersion",
+            "deletionTimestamp",
+            "labels",
+        ),  # fmt: skip
+        "spec": body.get("spec") or {},
+        "status": body.get("status") or {},
+    }
+
+
+def jobset_summary(body: dict[str, Any]) -> dict[str, Any]:
+    """What the phase (`phase.phase_from`), the ownership check and the scheduling fields
+    read of a JobSet: a JobSet in the same shape, without its pod templates."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    replicated = [
+        {
+            "name": r.get("name"),
+            "replicas": r.get("replicas", 1),
+            "template": {
+                "spec": {
+                    "parallelism": ((r.get("template") or {}).get("spec") or {}).get("parallelism")
+                }
+            },
+        }
+        for r in spec.get("replicatedJobs") or []
+    ]
+    summary_meta = _meta(meta, "name", "namespace", "uid", "resourceVersion", "labels")
+    summary_meta["ownerReferences"] = [
+        _meta(r, "apiVersion", "kind", "name", "uid") for r in meta.get("ownerReferences") or []
+    ]
+    if SCHEDULING_ANNOTATION in annotations:
+        summary_meta["annotations"] = {SCHEDULING_ANNOTATION: annotations[SCHEDULING_ANNOTATION]}
+    return {
+        "metadata": summary_meta,
+        "spec": {
+            **_meta(spec, "suspend", "ttlSecondsAfterFinished"),
+            "replicatedJobs": replicated,
+        },
+        "status": body.get("status") or {},
+    }
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
-    return {(namespace, name): dict(body)}
+    return {(namespace, name): job_summary(dict(body))}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={JOB_NAME_LABEL: kopf.PRESENT})
 def jobset_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Any]:
-    return {(namespace, labels[JOB_NAME_LABEL]): dict(body)}
+    return {(namespace, labels[JOB_NAME_LABEL]): jobset_summary(dict(body))}
 
 
 @kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
@@ -99,16 +161,8 @@ def inactive_cluster_queue_index(name: str, body: kopf.Body, **_: Any) -> dict[s
 
 
 def _values(index: kopf.Index | None, key: Key) -> list[Any]:
-    """The values under key. Handlers run in threads while the event loop updates the
-    indexes: a copy that raced with an update is taken again."""
-    if index is None:
-        return []
-    for _ in range(10):
-        try:
-            return list(index.get(key, ()))
-        except RuntimeError:  # changed size during iteration
-            continue
-    return list(index.get(key, ()))
+    """The values under key (read on kopf's event loop, where the indexes change)."""
+    return list(index.get(key, ())) if index is not None else []
 
 
 def job(indexes: dict[str, Any], namespace: str, name: str) -> dict[str, Any] | None:

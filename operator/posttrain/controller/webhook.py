@@ -81,20 +81,17 @@ def webhook_entry(client_config: dict[str, Any]) -> dict[str, Any]:
 def kube_exists(kind: str, name: str, namespace: str | None) -> bool | None:
     """Whether a PriorityClass, Kueue WorkloadPriorityClass or LocalQueue exists, read
     with the operator's credentials (get only); None when the read failed otherwise."""
-    from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
+    from posttrain.controller import kube
+
+    kueue = f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}"
+    path = {
+        "PriorityClass": f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}",
+        "WorkloadPriorityClass": f"{kueue}/workloadpriorityclasses/{name}",
+    }.get(kind) or f"{kueue}/namespaces/{namespace}/localqueues/{name}"
     try:
-        if kind == "PriorityClass":
-            client.SchedulingV1Api().read_priority_class(name)
-        elif kind == "WorkloadPriorityClass":
-            client.CustomObjectsApi().get_cluster_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses", name
-            )
-        else:
-            client.CustomObjectsApi().get_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, namespace, "localqueues", name
-            )
+        kube.request("GET", path)
     except ApiException as e:
         if e.status == 404:
             return False
@@ -139,8 +136,9 @@ def serve(address: str, port: int, certfile: str, keyfile: str) -> ThreadingHTTP
 def register(host: str, port: int, ca_file: str) -> None:
     """Create or update the ValidatingWebhookConfiguration pointing at host:port (for
     clusters where the operator runs outside, e.g. the local control plane)."""
-    from kubernetes import client
     from kubernetes.client.exceptions import ApiException
+
+    from posttrain.controller import kube
 
     ca = base64.b64encode(Path(ca_file).read_bytes()).decode()
     entry = webhook_entry({"url": f"https://{host}:{port}{WEBHOOK_PATH}", "caBundle": ca})
@@ -150,10 +148,12 @@ def register(host: str, port: int, ca_file: str) -> None:
         "metadata": {"name": CONFIGURATION_NAME, "labels": {"app.kubernetes.io/name": "posttrain"}},
         "webhooks": [entry],
     }
-    api = client.AdmissionregistrationV1Api()
+    collection = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
     try:
-        api.create_validating_webhook_configuration(body)
+        kube.request("POST", collection, body)
     except ApiException as e:
         if e.status != 409:
             raise
-        api.patch_validating_webhook_configuration(CONFIGURATION_NAME, body)
+        kube.request(
+            "PATCH", f"{collection}/{CONFIGURATION_NAME}", body, content_type=kube.MERGE_PATCH
+        )

@@ -1,0 +1,152 @@
+"""What one reconcile of a job does, decided from the job and what the watches observed
+of it: pure functions, table-tested. `phase.status_patch` decides the status; this adds
+when to make the job's objects, which Events to post, and what the JobSet needs of the
+job's mutable spec.scheduling fields. `reconcile` gathers the inputs and carries it out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.controller.phase import (
+    TERMINAL,
+    WARNINGS,
+    PodState,
+    WorkloadState,
+    changed,
+    status_patch,
+    status_reason,
+)
+from posttrain.controller.watches import SCHEDULING_ANNOTATION
+from posttrain.render.jobset import KUEUE_PRIORITY_LABEL, scheduling_patch
+
+SCHEDULING_FIELDS = ("suspend", "ttlSecondsAfterFinished", "workloadPriorityClass")
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The job's children as the watches last saw them."""
+
+    jobset: dict[str, Any] | None = None  # the JobSet the job owns (by UID)
+    pods: tuple[PodState, ...] = ()
+    workload: WorkloadState | None = None
+
+
+@dataclass
+class Actions:
+    create: bool = False  # make the job's objects: its JobSet is not there
+    status: dict[str, Any] | None = None  # the status patch, when the status changes
+    events: list[Event] = field(default_factory=list)  # posted once the status is written
+    jobset_patch: dict[str, Any] = field(default_factory=dict)
+    jobset_events: list[Event] = field(default_factory=list)  # once the JobSet is patched
+
+
+def finished(job: dict[str, Any]) -> bool:
+    """Nothing more to do: the job has finished, or is being deleted."""
+    return (job.get("status") or {}).get("phase") in TERMINAL or bool(
+        job["metadata"].get("deletionTimestamp")
+    )
+
+
+def status_event(previous: dict[str, Any], patch: dict[str, Any]) -> Event | None:
+    """An Event for each new phase, and for each new reason to act on (Unschedulable, then
+    ImagePullBackOff, ...): named by that reason (a failure too), else by the phase."""
+    if not patch:
+        return None
+    reason = status_reason(patch)
+    warning = patch["phase"] == "Failed" or reason in WARNINGS
+    if patch["phase"] == previous.get("phase") and not (
+        warning and reason != status_reason(previous)
+    ):
+        return None
+    return Event(
+        "Warning" if warning else "Normal",
+        (reason if warning else None) or patch["phase"],
+        patch.get("message", ""),
+    )
+
+
+def status_write(previous: dict[str, Any], patch: dict[str, Any]) -> Actions:
+    """Write `patch` (and its Event) only when it changes the status."""
+    if not changed(previous, patch):
+        return Actions()
+    event = status_event(previous, patch)
+    return Actions(status=patch, events=[event] if event else [])
+
+
+def desired_scheduling(spec: dict[str, Any]) -> dict[str, Any]:
+    scheduling = spec.get("scheduling") or {}
+    return {k: scheduling.get(k) for k in SCHEDULING_FIELDS if k != "suspend"} | {
+        "suspend": bool(scheduling.get("suspend"))
+    }
+
+
+def scheduling_annotation(spec: dict[str, Any]) -> str:
+    """The value of the JobSet's SCHEDULING_ANNOTATION for a job's spec."""
+    return json.dumps(desired_scheduling(spec), sort_keys=True)
+
+
+def scheduling_update(spec: dict[str, Any], jobset: dict[str, Any]) -> tuple[dict, list[Event]]:
+    """The JobSet merge patch for the job's spec.scheduling fields that changed since
+    the JobSet was made or last patched (its SCHEDULING_ANNOTATION), with a Suspending or
+    Resuming Event. Kueue suspends and resumes JobSets itself: only a change of the
+    job's own spec.scheduling.suspend moves the JobSet's."""
+    desired = desired_scheduling(spec)
+    meta = jobset.get("metadata") or {}
+    try:
+        applied = json.loads((meta.get("annotations") or {})[SCHEDULING_ANNOTATION])
+    except (KeyError, TypeError, ValueError):  # made before the annotation existed
+        applied = {
+            "suspend": desired["suspend"],
+            "ttlSecondsAfterFinished": (jobset.get("spec") or {}).get("ttlSecondsAfterFinished"),
+            "workloadPriorityClass": (meta.get("labels") or {}).get(KUEUE_PRIORITY_LABEL),
+        }
+    patch = scheduling_patch(applied, desired)
+    if not patch:
+        return {}, []
+    patch.setdefault("metadata", {})["annotations"] = {
+        SCHEDULING_ANNOTATION: json.dumps(desired, sort_keys=True)
+    }
+    events = []
+    if bool(applied.get("suspend")) != desired["suspend"]:
+        events.append(
+            Event(
+                "Normal",
+                "Suspending" if desired["suspend"] else "Resuming",
+                "spec.scheduling.suspend changed",
+            )
+        )
+    return patch, events
+
+
+def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
+    """Everything a reconcile of `job` does given what is observed of its children."""
+    if finished(job):
+        return Actions()
+    if observed.jobset is None:
+        status = job.get("status") or {}
+        gone = [Event("Warning", "JobSetDeleted", "JobSet deleted out of band; creating it again")]
+        return Actions(create=True, events=gone if status.get("jobSetName") else [])
+    meta, spec = job["metadata"], job.get("spec") or {}
+    previous = job.get("status") or {}
+    patch = status_patch(
+        observed.jobset,
+        spec,
+        previous,
+        now,
+        meta.get("generation"),
+        observed.pods,
+        observed.workload,
+    )
+    actions = status_write(previous, patch)
+    actions.jobset_patch, actions.jobset_events = scheduling_update(spec, observed.jobset)
+    return actions

@@ -1,0 +1,236 @@
+"""Reconcile one job: gather it and its children from the watches' indexes (no reads),
+decide with `actions.decide`, apply with `kube`.
+
+`gather` runs on kopf's event loop (where the indexes change); `apply` runs in a worker
+thread with a copy, and makes only the calls the decision asks for: the job's objects
+when its JobSet is not there (the JobSet last, after every object its pods use is known
+to be the job's own), a JobSet patch for a spec.scheduling change, a status patch when
+the status changed. What it writes is remembered (`Written`) until the watches bring it
+back, so the next reconcile does not take it for missing or stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from posttrain.api.spec import Phase
+from posttrain.api.validate import validate
+from posttrain.controller import kube, metrics, watches
+from posttrain.controller.actions import (
+    Actions,
+    Event,
+    Observed,
+    decide,
+    scheduling_annotation,
+    status_write,
+)
+from posttrain.controller.phase import Observation, observation_patch
+from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
+from posttrain.controller.workqueue import WorkQueue
+from posttrain.render import RenderConfig, render
+
+log = logging.getLogger("posttrain.operator")
+Key = tuple[str, str]
+
+
+class State:
+    """Operator-wide settings, set once by `posttrain operator` before kopf starts."""
+
+    render_config = RenderConfig()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _version(obj: dict[str, Any] | None) -> int:
+    try:
+        return int((obj or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+class Written:
+    """The job and JobSet bodies this operator's last writes returned, by job key, until
+    the watches bring that version (or a newer one) back."""
+
+    jobs: dict[Key, dict[str, Any]] = {}
+    jobsets: dict[Key, dict[str, Any]] = {}
+
+    @classmethod
+    def newest(cls, store: dict[Key, dict], key: Key, seen: dict | None) -> dict | None:
+        mine = store.get(key)
+        if mine is None:
+            return seen
+        same = seen is None or mine["metadata"].get("uid") == seen["metadata"].get("uid")
+        if same and _version(mine) > _version(seen):
+            return mine
+        store.pop(key, None)
+        return seen
+
+    @classmethod
+    def forget_jobset(cls, key: Key, uid: str) -> None:
+        """A JobSet is gone: what was written of it is no longer there."""
+        if (cls.jobsets.get(key) or {}).get("metadata", {}).get("uid") == uid:
+            cls.jobsets.pop(key, None)
+
+    @classmethod
+    def forget(cls, key: Key) -> None:
+        cls.jobs.pop(key, None)
+        cls.jobsets.pop(key, None)
+
+
+def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed] | None:
+    """The job and its children as last seen (on the event loop); None when it is gone."""
+    namespace, name = key
+    job = Written.newest(Written.jobs, key, watches.job(indexes, namespace, name))
+    if job is None:
+        return None
+    uid = job["metadata"]["uid"]
+    jobset = watches.jobset(indexes, namespace, name, uid)
+    mine = Written.jobsets.get(key)
+    if mine is not None and uid not in kube.owner_uids(mine):
+        Written.jobsets.pop(key, None)  # of an earlier job of this name
+    jobset = Written.newest(Written.jobsets, key, jobset)
+    observed = Observed(
+        jobset=jobset,
+        pods=tuple(watches.pods(indexes, namespace, name)),
+        workload=watches.workload(indexes, namespace, jobset),
+    )
+    return copy.deepcopy(job), observed
+
+
+@dataclass
+class Result:
+    """What a reconcile did: filled as it goes, so a retry after a partial one keeps it."""
+
+    kind: str = "status"  # "create" when it made (or found) the job's objects
+    job: dict[str, Any] | None = None  # the job after its status write
+    jobset: dict[str, Any] | None = None  # the JobSet after its create or patch
+    events: list[Event] = field(default_factory=list)
+
+
+def _fail(job: dict[str, Any], reason: str, message: str) -> Actions:
+    """The job cannot run: Failed with `reason` and `message`, a Warning Event, no retry."""
+    meta = job["metadata"]
+    log.warning("job %s/%s failed: %s: %s", meta["namespace"], meta["name"], reason, message)
+    return _observed(job, Observation(Phase.failed, reason, message))
+
+
+def _observed(job: dict[str, Any], obs: Observation) -> Actions:
+    previous = job.get("status") or {}
+    patch = observation_patch(
+        obs, job.get("spec") or {}, previous, _now(), job["metadata"].get("generation")
+    )
+    return status_write(previous, patch)
+
+
+def _write_status(job: dict[str, Any], actions: Actions, result: Result) -> None:
+    if actions.status is None:
+        return
+    meta = job["metadata"]
+    stored = kube.patch_job_status(meta["namespace"], meta["name"], actions.status)
+    result.job = job_summary(stored) if stored is not None else None
+    result.events.extend(actions.events)
+
+
+def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
+    """Make whatever of the job's objects is missing and return its JobSet; None when
+    the job cannot run (its status says why)."""
+    result.kind = "create"
+    parsed, errors = validate(job)
+    if errors or parsed is None:
+        _write_status(job, _fail(job, "InvalidSpec", "; ".join(str(e) for e in errors)), result)
+        return None
+    namespace = job["metadata"]["namespace"]
+    *support, jobset = render(parsed, State.render_config)
+    annotations = jobset["metadata"].setdefault("annotations", {})
+    annotations[SCHEDULING_ANNOTATION] = scheduling_annotation(job.get("spec") or {})
+    try:
+        # The JobSet's pods need these first. A RoleBinding is checked against its Role
+        # (the operator may only grant what it holds), so the Role must exist before it.
+        kube.create_all(namespace, [o for o in support if o["kind"] != "RoleBinding"])
+        kube.create_all(namespace, [o for o in support if o["kind"] == "RoleBinding"])
+        stored, created = kube.create_or_get_owned(namespace, jobset)
+    except kube.Refused as e:
+        _write_status(job, _fail(job, e.reason, str(e)), result)
+        return None
+    except kube.Leftover as e:
+        waiting = Observation(Phase.pending, "WaitingForLeftover", str(e))
+        _write_status(job, _observed(job, waiting), result)
+        raise
+    result.jobset = jobset_summary(stored)
+    if created:
+        name = jobset["metadata"]["name"]
+        log.info("created JobSet %s/%s", namespace, name)
+        result.events.append(Event("Normal", "JobSetCreated", f"created JobSet {name}"))
+    return result.jobset
+
+
+def apply(job: dict[str, Any], observed: Observed, result: Result) -> None:
+    """Carry out what `decide` asks for (in a worker thread). Raises kube.Retry for what
+    a retry may fix."""
+    actions = decide(job, observed, _now())
+    if actions.create:
+        result.events.extend(actions.events)
+        jobset = _children(job, result)
+        if jobset is None:
+            return
+        actions = decide(job, Observed(jobset, observed.pods, observed.workload), _now())
+    if actions.jobset_patch:
+        meta = job["metadata"]
+        path = kube.jobset_path(meta["namespace"], meta["name"])
+        if (stored := kube.patch(path, actions.jobset_patch)) is not None:
+            result.jobset = jobset_summary(stored)
+        result.events.extend(actions.jobset_events)
+    _write_status(job, actions, result)
+
+
+_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reconcile")
+
+
+def _record(key: Key, result: Result) -> None:
+    if result.job is not None:
+        Written.jobs[key] = result.job
+    if result.jobset is not None:
+        Written.jobsets[key] = result.jobset
+
+
+async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None:
+    """One reconcile of the job at `key` (a WorkQueue's work): transient errors re-queue
+    it with backoff; what was done before one is kept, and its Events are posted."""
+    gathered = gather(key, indexes)
+    if gathered is None:
+        queue.drop(key)
+        return
+    job, observed = gathered
+    result = Result()
+    start = time.monotonic()
+    try:
+        await asyncio.get_running_loop().run_in_executor(_pool, apply, job, observed, result)
+    except kube.Leftover as e:
+        queue.retry(key, e.delay, backoff=False)
+    except kube.Retry as e:
+        metrics.ERRORS.labels(result.kind).inc()
+        log.info("job %s/%s: retrying: %s", *key, e)
+        queue.retry(key, e.delay)
+    except Exception:
+        metrics.ERRORS.labels(result.kind).inc()
+        raise
+    else:
+        queue.forget(key)
+    finally:
+        metrics.RECONCILES.labels(result.kind).inc()
+        metrics.LATENCY.labels(result.kind).observe(time.monotonic() - start)
+        _record(key, result)
+        for event in result.events:
+            kopf.event(job, type=event.type, reason=event.reason, message=event.message)
