@@ -1,20 +1,30 @@
-"""Operator throughput on the local control plane.
+"""The operator's cost on the local control plane, as ratios from one run.
 
-Creates N PostTrainJobs at once and measures, from a watch on JobSets, the time until all
-N JobSets exist and each job's create-to-JobSet latency. The baseline, measured in the
-same run against the same API server, is creating N JobSets directly from the client:
-the ratio shows what the operator adds on top of the API server's own cost.
+All on one API server (etcd + kube-apiserver, no controllers: nothing else writes):
 
-    python bench/operator.py --jobs 500
+(a) burst: N JobSets created directly by a client (the baseline), then N PostTrainJobs at
+    once with the operator running: the time until every JobSet exists and until every
+    job is fully reconciled (all its objects made, status written), each over the
+    baseline's time; the API server's CPU seconds per job over its CPU per direct JobSet
+    create; the operator's CPU seconds.
+(b) steady: with --present jobs in place, new jobs at --rate per second; p50/p99 of each
+    job's create -> JobSet latency.
+(c) idle: with those jobs in place and nothing changing, requests per second the API
+    server serves (its apiserver_request_total, less this script's own reads).
+(d) the operator's peak RSS (VmHWM) after all of it.
+
+    python bench/operator.py --jobs 500 --present 1000 --rate 5
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,30 +38,102 @@ from posttrain.api.validate import validate  # noqa: E402
 from posttrain.render import render  # noqa: E402
 from tests import cluster as local  # noqa: E402
 
-GROUP, VERSION = "posttrain.dev", "v1alpha1"
+JOBS = ("posttrain.dev", "v1alpha1", "posttrainjobs")
+JOBSETS = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def watch_jobsets(
-    plane, namespace: str, expected: int, seen: dict[str, float], done: threading.Event
-):
-    from kubernetes import client, watch
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]) / 1024
+
+
+def apiserver_requests(plane) -> float:
+    """Requests the API server has served (all verbs, all clients), from its metrics."""
+    response = plane.api_client.call_api("GET", plane.api_client.configuration.host + "/metrics")
+    response.read()
+    total = 0.0
+    for line in response.data.decode().splitlines():
+        if line.startswith("apiserver_request_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Seen:
+    """The first time each object of a kind in a namespace satisfies `ready`, from a watch."""
+
+    def __init__(self, plane, kind: tuple[str, str, str], namespace: str, ready: Callable):
+        self.times: dict[str, float] = {}
+        self.changed = threading.Condition()
+        self._stop = False
+        args = (plane, kind, namespace, ready)
+        threading.Thread(target=self._watch, args=args, daemon=True).start()
+        time.sleep(0.5)
+
+    def _watch(self, plane, kind, namespace, ready) -> None:
+        from kubernetes import client, watch
+
+        api = client.CustomObjectsApi(plane.api_client)
+        while not self._stop:
+            w = watch.Watch()
+            for event in w.stream(
+                api.list_namespaced_custom_object,
+                *kind[:2],
+                namespace,
+                kind[2],
+                timeout_seconds=1800,
+            ):
+                obj = event["object"]
+                name = obj["metadata"]["name"]
+                if event["type"] != "DELETED" and name not in self.times and ready(obj):
+                    with self.changed:
+                        self.times[name] = time.monotonic()
+                        self.changed.notify_all()
+                if self._stop:
+                    break
+
+    def wait(self, names: list[str], timeout: float = 900) -> float:
+        """The monotonic time the last of `names` was seen."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not all(n in self.times for n in names):
+                if not self.changed.wait(max(0.0, deadline - time.monotonic())):
+                    missing = [n for n in names if n not in self.times]
+                    raise TimeoutError(
+                        f"{len(missing)} of {len(names)} not seen, e.g. {missing[:3]}"
+                    )
+        return max(self.times[n] for n in names)
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def create(plane, namespace: str, kind: tuple[str, str, str], bodies: list[dict]) -> dict:
+    """Create bodies with 16 client threads; the monotonic time each create was sent."""
+    from kubernetes import client
 
     api = client.CustomObjectsApi(plane.api_client)
-    w = watch.Watch()
-    for event in w.stream(
-        api.list_namespaced_custom_object,
-        "jobset.x-k8s.io",
-        "v1alpha2",
-        namespace,
-        "jobsets",
-        timeout_seconds=1800,
-    ):
-        if event["type"] == "ADDED":
-            seen.setdefault(event["object"]["metadata"]["name"], time.monotonic())
-            if len(seen) >= expected:
-                break
-    w.stop()
-    done.set()
+    sent: dict[str, float] = {}
+
+    def one(body: dict) -> None:
+        sent[body["metadata"]["name"]] = time.monotonic()
+        api.create_namespaced_custom_object(*kind[:2], namespace, kind[2], body)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, bodies))
+    return sent
+
+
+def jobs(prefix: str, n: int, namespace: str) -> list[dict]:
+    docs = [valid_job(f"{prefix}-{i:04d}") for i in range(n)]
+    for doc in docs:
+        doc["metadata"]["namespace"] = namespace
+    return docs
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -59,100 +141,136 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-def create_all(
-    plane, namespace: str, objects: list[tuple[str, dict]], workers: int = 16
-) -> dict[str, float]:
-    from kubernetes import client
-
-    api = client.CustomObjectsApi(plane.api_client)
-    created: dict[str, float] = {}
-
-    def create(item: tuple[str, dict]) -> None:
-        (group, version, plural), body = item[1]
-        created[body["metadata"]["name"]] = time.monotonic()
-        api.create_namespaced_custom_object(group, version, namespace, plural, body)
-
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(create, objects))
-    return created
+def reconciled(job: dict) -> bool:
+    return bool((job.get("status") or {}).get("jobSetName"))
 
 
-def run(plane, jobs: int, operator_mode: bool, workdir: Path) -> dict[str, float]:
-    namespace = plane.create_namespace("bench-op" if operator_mode else "bench-base")
-    op = None
-    if operator_mode:
-        op = OperatorProcess(
-            plane.kubeconfig, workdir, namespace, "-n", namespace, identity="bench"
-        ).start()
-    items = []
-    for i in range(jobs):
-        doc = valid_job(f"job-{i:04d}")
-        doc["metadata"]["namespace"] = namespace
-        if operator_mode:
-            items.append((doc["metadata"]["name"], ((GROUP, VERSION, "posttrainjobs"), doc)))
-        else:
-            job, _ = validate(doc)
-            jobset = render(job)[-1]
-            items.append(
-                (jobset["metadata"]["name"], (("jobset.x-k8s.io", "v1alpha2", "jobsets"), jobset))
-            )
-    seen: dict[str, float] = {}
-    done = threading.Event()
-    watcher = threading.Thread(
-        target=watch_jobsets, args=(plane, namespace, jobs, seen, done), daemon=True
-    )
-    watcher.start()
-    time.sleep(1)
-    start = time.monotonic()
-    created = create_all(plane, namespace, items)
-    done.wait(1800)
-    total = max(seen.values()) - start
-    latencies = [seen[name] - created[name] for name in created if name in seen]
-    rss_mb = None
-    if op is not None:
-        status = Path(f"/proc/{op.proc.pid}/status").read_text()
-        rss_mb = (
-            int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
-            / 1024
+def run(plane, n: int, present: int, rate: float, steady: int, idle_s: float) -> dict:
+    apiserver = local.control_plane._pid("kube-apiserver")
+    out: dict = {"load_before": os.getloadavg()}
+
+    # (a) baseline: the same JobSets, created directly.
+    base_ns = plane.create_namespace("bench-base")
+    jobsets = []
+    for doc in jobs("job", n, base_ns):
+        parsed, _ = validate(doc)
+        jobsets.append(render(parsed)[-1])
+    seen = Seen(plane, JOBSETS, base_ns, lambda _: True)
+    cpu0, start = cpu_seconds(apiserver), time.monotonic()
+    create(plane, base_ns, JOBSETS, jobsets)
+    out["base_s"] = seen.wait([j["metadata"]["name"] for j in jobsets]) - start
+    out["base_cpu"] = cpu_seconds(apiserver) - cpu0
+    seen.stop()
+
+    # (a) the operator, N jobs at once.
+    ns = plane.create_namespace("bench-op")
+    op = OperatorProcess(plane.kubeconfig, Path("/tmp"), ns, "-n", ns, identity="bench").start()
+    try:
+        js_seen = Seen(plane, JOBSETS, ns, lambda _: True)
+        job_seen = Seen(plane, JOBS, ns, reconciled)
+        burst = jobs("job", n, ns)
+        names = [d["metadata"]["name"] for d in burst]
+        cpu0, op_cpu0, start = cpu_seconds(apiserver), cpu_seconds(op.proc.pid), time.monotonic()
+        sent = create(plane, ns, JOBS, burst)
+        out["op_jobsets_s"] = js_seen.wait(names) - start
+        out["op_reconciled_s"] = job_seen.wait(names) - start
+        out["op_api_cpu"] = cpu_seconds(apiserver) - cpu0
+        out["op_cpu"] = cpu_seconds(op.proc.pid) - op_cpu0
+        latencies = [js_seen.times[k] - sent[k] for k in names]
+        out["burst_p50"], out["burst_p99"] = statistics.median(latencies), percentile(latencies, 99)
+
+        # Up to `present` jobs in place (not measured).
+        if present > n:
+            rest = jobs("more", present - n, ns)
+            create(plane, ns, JOBS, rest)
+            job_seen.wait([d["metadata"]["name"] for d in rest])
+
+        # (c) idle.
+        time.sleep(10)
+        req0, op_cpu0, api_cpu0 = (
+            apiserver_requests(plane),
+            cpu_seconds(op.proc.pid),
+            cpu_seconds(apiserver),
         )
+        time.sleep(idle_s)
+        requests = apiserver_requests(plane) - req0 - 1  # less this script's one read
+        out["idle_rps"] = requests / idle_s
+        out["idle_op_cpu"] = cpu_seconds(op.proc.pid) - op_cpu0
+        out["idle_api_cpu"] = cpu_seconds(apiserver) - api_cpu0
+
+        # (b) steady arrivals.
+        arrivals = jobs("steady", steady, ns)
+        sent = {}
+        from kubernetes import client
+
+        api = client.CustomObjectsApi(plane.api_client)
+        t0 = time.monotonic()
+        for i, doc in enumerate(arrivals):
+            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            sent[doc["metadata"]["name"]] = time.monotonic()
+            api.create_namespaced_custom_object(*JOBS[:2], ns, JOBS[2], doc)
+        js_seen.wait(list(sent))
+        job_seen.wait(list(sent))
+        latencies = [js_seen.times[k] - sent[k] for k in sent]
+        out["steady_p50"], out["steady_p99"] = (
+            statistics.median(latencies),
+            percentile(latencies, 99),
+        )
+        out["steady_max"] = max(latencies)
+        out["jobs_present"] = len(job_seen.times)
+        out["rss_mib"] = peak_rss_mib(op.proc.pid)
+        out["op_cpu_total"] = cpu_seconds(op.proc.pid)
+        js_seen.stop()
+        job_seen.stop()
+    finally:
         op.stop()
-    plane.delete_namespace(namespace)
-    return {
-        "total_s": total,
-        "p50_s": statistics.median(latencies),
-        "p99_s": percentile(latencies, 99),
-        "count": len(seen),
-        "rss_mb": rss_mb,
-    }
+        plane.delete_namespace(ns)
+        plane.delete_namespace(base_ns)
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def report(r: dict, n: int, present: int, rate: float) -> list[str]:
+    load = lambda t: "/".join(f"{x:.2f}" for x in t)  # noqa: E731
+    per_base, per_job = r["base_cpu"] / n, r["op_api_cpu"] / n
+    return [
+        f"machine: {os.cpu_count()} cores, load average (1/5/15 min) {load(r['load_before'])} "
+        f"before, {load(r['load_after'])} after",
+        f"(a) burst of {n}: baseline (client creates the JobSets) {r['base_s']:.1f}s, "
+        f"API server CPU {r['base_cpu']:.1f}s ({per_base * 1000:.1f} ms per JobSet)",
+        f"    operator: all JobSets in {r['op_jobsets_s']:.1f}s "
+        f"({r['op_jobsets_s'] / r['base_s']:.2f}x, target <= 2x), all reconciled in "
+        f"{r['op_reconciled_s']:.1f}s ({r['op_reconciled_s'] / r['base_s']:.2f}x, target <= 3x); "
+        f"create->JobSet p50 {r['burst_p50']:.1f}s p99 {r['burst_p99']:.1f}s",
+        f"    API server CPU {r['op_api_cpu']:.1f}s ({per_job * 1000:.1f} ms per job, "
+        f"{per_job / per_base:.2f}x a JobSet create, target <= 2x); "
+        f"operator CPU {r['op_cpu']:.1f}s",
+        f"(b) steady {rate:g} jobs/s with {present} present: create->JobSet "
+        f"p50 {r['steady_p50']:.2f}s p99 {r['steady_p99']:.2f}s max {r['steady_max']:.2f}s "
+        f"(target p99 <= 2s)",
+        f"(c) idle with {present} jobs: {r['idle_rps']:.2f} requests/s to the API server "
+        f"(target < 1); operator CPU {r['idle_op_cpu']:.2f}s, API server CPU "
+        f"{r['idle_api_cpu']:.2f}s over the window",
+        f"(d) operator peak RSS {r['rss_mib']:.0f} MiB with {r['jobs_present']} jobs "
+        f"(target <= 150 MiB); operator CPU in all {r['op_cpu_total']:.1f}s",
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--jobs", type=int, default=500, help="the burst (a)")
+    parser.add_argument("--present", type=int, default=1000, help="jobs in place for (b)-(d)")
+    parser.add_argument("--rate", type=float, default=5.0, help="arrivals per second (b)")
+    parser.add_argument("--steady", type=int, default=100, help="jobs arriving in (b)")
+    parser.add_argument("--idle", type=float, default=60.0, help="seconds measured in (c)")
     args = parser.parse_args()
     plane = local.start(full=False)
-    workdir = Path("/tmp/posttrain-bench")
-    workdir.mkdir(exist_ok=True)
     try:
-        base = run(plane, args.jobs, operator_mode=False, workdir=workdir)
-        op = run(plane, args.jobs, operator_mode=True, workdir=workdir)
+        r = run(plane, args.jobs, args.present, args.rate, args.steady, args.idle)
     finally:
         local.stop(plane)
-    print(f"jobs: {args.jobs}")
-    print(
-        f"baseline (client creates JobSets directly): all in {base['total_s']:.1f}s, "
-        f"p50 {base['p50_s'] * 1000:.0f} ms, p99 {base['p99_s'] * 1000:.0f} ms"
-    )
-    print(
-        f"operator (PostTrainJob -> JobSet):        all in {op['total_s']:.1f}s, "
-        f"p50 {op['p50_s'] * 1000:.0f} ms, p99 {op['p99_s'] * 1000:.0f} ms, "
-        f"{op['count']} JobSets, operator peak RSS {op['rss_mb']:.0f} MiB"
-    )
-    print(
-        f"ratio operator/baseline: time-to-all {op['total_s'] / base['total_s']:.2f}x, "
-        f"p50 {op['p50_s'] / base['p50_s']:.2f}x, p99 {op['p99_s'] / base['p99_s']:.2f}x"
-    )
-    return 0 if op["count"] == args.jobs else 1
+    print("\n".join(report(r, args.jobs, args.present, args.rate)))
+    return 0 if r["jobs_present"] >= max(args.present, args.jobs) + args.steady else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,243 @@
+"""What one reconcile does (`actions.decide`), the JobSet summary the watches keep, and
+the retry queue: tables of a job and what is observed of it."""
+
+import asyncio
+import json
+
+import pytest
+
+from posttrain.controller.actions import (
+    Event,
+    Observed,
+    decide,
+    scheduling_annotation,
+    scheduling_update,
+    status_event,
+)
+from posttrain.controller.phase import status_patch
+from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
+from posttrain.controller.workqueue import WorkQueue
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def job(status=None, scheduling=None, deleting=False):
+    meta = {"name": "j", "namespace": "ns", "uid": "u1", "generation": 1}
+    if deleting:
+        meta["deletionTimestamp"] = NOW
+    return {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": meta,
+        "spec": {"output": {"uri": "/o"}, "scheduling": scheduling or {}},
+        "status": status or {},
+    }
+
+
+def jobset(suspend=False, annotation=None, ready=0, completed=False, labels=None):
+    meta = {"name": "j", "uid": "js1", "labels": labels or {}, "ownerReferences": [{"uid": "u1"}]}
+    if annotation is not None:
+        meta["annotations"] = {SCHEDULING_ANNOTATION: annotation}
+    conditions = [{"type": "Completed", "status": "True", "message": "done"}] if completed else []
+    return {
+        "metadata": meta,
+        "spec": {
+            "suspend": suspend,
+            "replicatedJobs": [
+                {"name": "slice", "replicas": 1, "template": {"spec": {"parallelism": 1}}}
+            ],
+        },
+        "status": {
+            "conditions": conditions,
+            "replicatedJobsStatus": [{"name": "slice", "ready": ready}],
+        },
+    }
+
+
+def written(js, scheduling=None):
+    """The status the operator wrote for `js` (as the next reconcile reads it back)."""
+    return status_patch(js, job(scheduling=scheduling)["spec"], {}, NOW, 1)
+
+
+PENDING = written(jobset(annotation=scheduling_annotation({})))
+ANNOTATED = scheduling_annotation({})
+TABLE = [
+    # (case, job, observed JobSet, create, status phase written or None, events)
+    ("new job: make its objects", job(), None, True, None, []),
+    (
+        "JobSet gone while running: made again, with a Warning",
+        job(status=PENDING),
+        None,
+        True,
+        None,
+        [("Warning", "JobSetDeleted")],
+    ),
+    ("first status", job(), jobset(annotation=ANNOTATED), False, "Pending", [("Normal", "Pending")]),
+    ("unchanged status: no write, no Event", job(status=PENDING), jobset(annotation=ANNOTATED), False, None, []),
+    (
+        "JobSet ready: Running",
+        job(status=PENDING),
+        jobset(annotation=ANNOTATED, ready=1),
+        False,
+        "Running",
+        [("Normal", "Running")],
+    ),
+    (
+        "finished: nothing, not even a missing JobSet",
+        job(status={"phase": "Succeeded"}),
+        None,
+        False,
+        None,
+        [],
+    ),
+    ("being deleted: nothing", job(deleting=True), None, False, None, []),
+    (
+        "completed JobSet: Succeeded",
+        job(status=PENDING),
+        jobset(annotation=ANNOTATED, completed=True),
+        False,
+        "Succeeded",
+        [("Normal", "Succeeded")],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,ptj,js,create,phase,events", TABLE, ids=[t[0] for t in TABLE])
+def test_decide(case, ptj, js, create, phase, events):
+    actions = decide(ptj, Observed(jobset=js), NOW)
+    assert actions.create is create
+    assert (actions.status or {}).get("phase") == phase
+    assert [(e.type, e.reason) for e in actions.events] == events
+    assert actions.jobset_patch == {}
+
+
+SCHEDULING = [
+    # (case, spec.scheduling, JobSet (suspended, annotation), patch, events)
+    ("unchanged", {}, (False, ANNOTATED), {}, []),
+    (
+        "user suspends",
+        {"suspend": True},
+        (False, ANNOTATED),
+        {"spec": {"suspend": True}},
+        ["Suspending"],
+    ),
+    (
+        "user resumes",
+        {},
+        (True, scheduling_annotation({"scheduling": {"suspend": True}})),
+        {"spec": {"suspend": False}},
+        ["Resuming"],
+    ),
+    ("Kueue suspended it: left alone", {}, (True, ANNOTATED), {}, []),
+    (
+        "priority and ttl changed",
+        {"workloadPriorityClass": "low", "ttlSecondsAfterFinished": 60},
+        (False, ANNOTATED),
+        {
+            "spec": {"ttlSecondsAfterFinished": 60},
+            "metadata": {"labels": {"kueue.x-k8s.io/priority-class": "low"}},
+        },
+        [],
+    ),
+    ("made before the annotation: nothing to undo", {}, (True, None), {}, []),
+]
+
+
+@pytest.mark.parametrize(
+    "case,scheduling,js,patch,events", SCHEDULING, ids=[t[0] for t in SCHEDULING]
+)
+def test_scheduling_update(case, scheduling, js, patch, events):
+    suspended, annotation = js
+    spec = {"scheduling": scheduling}
+    got, got_events = scheduling_update(spec, jobset(suspend=suspended, annotation=annotation))
+    annotations = got.get("metadata", {}).pop("annotations", None)
+    if not got.get("metadata", True):
+        got.pop("metadata")
+    assert got == patch
+    assert [e.reason for e in got_events] == events
+    if patch:  # the patch records what the JobSet now carries
+        assert json.loads(annotations[SCHEDULING_ANNOTATION]) == json.loads(
+            scheduling_annotation(spec)
+        )
+
+
+def test_status_event_on_phase_and_new_warning_reasons():
+    pending = {
+        "phase": "Pending",
+        "conditions": [{"type": "Running", "status": "False", "reason": "WaitingForPods"}],
+    }
+    unschedulable = {
+        **pending,
+        "conditions": [{"type": "Running", "status": "False", "reason": "Unschedulable"}],
+        "message": "m",
+    }
+    assert status_event({}, pending) == Event("Normal", "Pending", "")
+    assert status_event(pending, pending) is None
+    assert status_event(pending, unschedulable) == Event("Warning", "Unschedulable", "m")
+    assert status_event(unschedulable, unschedulable) is None
+    assert status_event(pending, {}) is None
+
+
+def test_summaries_keep_what_is_read_and_drop_the_rest():
+    full = jobset(annotation=ANNOTATED, labels={"kueue.x-k8s.io/queue-name": "q"})
+    full["metadata"]["managedFields"] = [{"manager": "x"}]
+    full["metadata"]["annotations"]["other"] = "x" * 1000
+    template = full["spec"]["replicatedJobs"][0]["template"]["spec"]
+    template["template"] = {
+        "spec": {"containers": [{"name": "trainer", "env": [{"name": "A"}] * 50}]}
+    }
+    summary = jobset_summary(full)
+    assert "managedFields" not in summary["metadata"]
+    assert summary["metadata"]["annotations"] == {SCHEDULING_ANNOTATION: ANNOTATED}
+    assert summary["spec"]["replicatedJobs"] == [
+        {"name": "slice", "replicas": 1, "template": {"spec": {"parallelism": 1}}}
+    ]
+    assert summary["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "q"}
+    assert summary["status"] == full["status"]
+    ptj = job(status=PENDING)
+    ptj["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": "{}"}
+    ptj["metadata"]["managedFields"] = [{}]
+    kept = job_summary(ptj)
+    assert "annotations" not in kept["metadata"] and "managedFields" not in kept["metadata"]
+    assert kept["spec"] == ptj["spec"] and kept["status"] == PENDING
+
+
+def test_queue_runs_each_key_once_at_a_time_and_backs_off():
+    async def scenario():
+        runs, gate = [], asyncio.Event()
+
+        async def work(key):
+            runs.append((key, asyncio.get_running_loop().time()))
+            if key == "slow":
+                await gate.wait()
+
+        queue = WorkQueue(work, workers=4)
+        queue.start()
+        for key in ("slow", "a", "a", "b"):
+            queue.add(key)
+        await asyncio.sleep(0.05)
+        assert [k for k, _ in runs] == ["slow", "a", "b"]  # "a" queued once
+        queue.add("slow")  # while it runs: once more after, not twice at once
+        await asyncio.sleep(0.05)
+        assert [k for k, _ in runs].count("slow") == 1
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert [k for k, _ in runs].count("slow") == 2
+        start = asyncio.get_running_loop().time()
+        queue.retry("c", 0.05)
+        queue.add("c")  # an event before the retry is due does not run it sooner
+        await asyncio.sleep(0.02)
+        assert "c" not in [k for k, _ in runs]
+        await asyncio.sleep(0.06)
+        first = [t for k, t in runs if k == "c"]
+        assert len(first) == 1 and first[0] - start >= 0.05
+        queue.retry("c", 0.05)  # the second failure in a row waits twice as long
+        before = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.07)
+        assert len([k for k, _ in runs if k == "c"]) == 1
+        await asyncio.sleep(0.06)
+        assert [t for k, t in runs if k == "c"][-1] - before >= 0.1
+        queue.forget("c")
+        await queue.stop()
+
+    asyncio.run(scenario())
