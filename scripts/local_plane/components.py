@@ -60,7 +60,8 @@ def _start_etcd(state: State) -> None:
     _wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{client}/health", body='"health":"true"'), 60)
 
 
-def _start_apiserver(state: State) -> None:
+def _start_apiserver(state: State, extra: Sequence[str] = ()) -> None:
+    """kube-apiserver; `extra` flags for a test (e.g. a low --max-requests-inflight)."""
     port = state.port("kube-apiserver")
     p = PKI_DIR
     _start(
@@ -86,6 +87,7 @@ def _start_apiserver(state: State) -> None:
             "--profiling=false",
             "--v=1",
             *_front_proxy_args(),
+            *extra,
         ],
     )
     _wait(

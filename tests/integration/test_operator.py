@@ -625,3 +625,58 @@ def test_leftover_of_an_earlier_job_is_waited_for(
     cm = apiserver.core.read_namespaced_config_map("again-config", namespace)
     uid = get_job(apiserver, namespace, "again")["metadata"]["uid"]
     assert cm.metadata.owner_references[0].uid == uid
+
+
+def throttled(apiserver: Cluster) -> float:
+    """How many requests the API server has answered 429 since it started."""
+    response = apiserver.api_client.call_api(
+        "GET", apiserver.api_client.configuration.host + "/metrics"
+    )
+    response.read()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in response.data.decode().splitlines()
+        if line.startswith("apiserver_request_total{") and 'code="429"' in line
+    )
+
+
+def test_throttling_api_server_loses_no_job(apiserver: Cluster, namespace: str, tmp_path):
+    """With the API server answering 429 (too many requests) to a share of requests,
+    every job still gets its JobSet and its status: the operator retries with backoff.
+    The operator runs as the Helm chart's ServiceAccount: the server never throttles
+    system:masters, the tests' own identity."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from operator_process import chart_identity, drop_chart_identity
+
+    from tests.cluster import control_plane
+
+    def restart(*flags: str) -> None:
+        control_plane._stop("kube-apiserver")
+        control_plane._start_apiserver(control_plane.State.load(), flags)
+
+    kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
+    restart("--max-requests-inflight=2", "--max-mutating-requests-inflight=1")
+    op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
+    names = [f"busy-{i:02d}" for i in range(40)]
+    try:
+        op.start()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda name: create_job(apiserver, namespace, name), names))
+
+        def all_reconciled() -> bool:
+            items = apiserver.custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL
+            )["items"]
+            return sum(bool((j.get("status") or {}).get("jobSetName")) for j in items) == 40
+
+        wait_for(all_reconciled, timeout=180, interval=2, describe=op.logs)
+        assert throttled(apiserver) > 0, "the API server answered no 429"
+    finally:
+        op.stop()
+        restart()
+        drop_chart_identity(apiserver, namespace)
+    assert sorted(j["metadata"]["name"] for j in jobsets(apiserver, namespace)) == names
+    for name in names:
+        status = get_job(apiserver, namespace, name)["status"]
+        assert status["phase"] == "Pending" and status["jobSetName"] == name

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,6 +37,9 @@ COLLECTIONS = {
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
 }
 MERGE_PATCH = "application/merge-patch+json"
+# A 429 (too many requests) is sent again in place this many times, as client-go does;
+# after that the job's reconcile is retried with backoff.
+THROTTLED_RETRIES = 5
 
 
 class Retry(Exception):
@@ -90,11 +95,24 @@ def request(
         body=body,
         auth_settings=["BearerToken"],
     )
-    response = api.call_api(method, url, headers, body, post, _request_timeout=(5, timeout))
-    response.read()
+    for attempt in range(THROTTLED_RETRIES + 1):
+        response = api.call_api(method, url, headers, body, post, _request_timeout=(5, timeout))
+        response.read()
+        if response.status != 429 or attempt == THROTTLED_RETRIES:
+            break
+        # Throttled: the server did nothing; wait as it asks (spread out) and send again.
+        wait = _seconds(response.getheader("Retry-After"))
+        time.sleep(min(wait, 5.0) * random.uniform(0.5, 1.5))
     if not 200 <= response.status <= 299:
         raise ApiException.from_response(http_resp=response, body=None, data=None)
     return json.loads(response.data) if response.data else {}
+
+
+def _seconds(text: str | None) -> float:
+    try:
+        return float(text or 1)
+    except ValueError:
+        return 1.0
 
 
 def server_message(e: ApiException) -> str:
@@ -104,17 +122,13 @@ def server_message(e: ApiException) -> str:
         return str(e.reason or e.status)
 
 
-def _retry_after(e: ApiException) -> float:
-    try:
-        return float((e.headers or {}).get("Retry-After") or 1)
-    except ValueError:
-        return 1.0
-
-
 def retry(e: Exception, what: str) -> Retry:
     """A transient error as a Retry (throttling honours the server's Retry-After)."""
     if isinstance(e, ApiException):
-        return Retry(f"{what}: {e.status} {server_message(e)}", _retry_after(e))
+        return Retry(
+            f"{what}: {e.status} {server_message(e)}",
+            _seconds((e.headers or {}).get("Retry-After")),
+        )
     return Retry(f"{what}: {e}", 2.0)
 
 
