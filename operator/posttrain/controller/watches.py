@@ -90,21 +90,24 @@ def job_summary(body: dict[str, Any]) -> dict[str, Any]:
 
 def jobset_summary(body: dict[str, Any]) -> dict[str, Any]:
     """What the phase (`phase.phase_from`), the ownership check and the scheduling fields
-    read of a JobSet: a JobSet in the same shape, without its pod templates."""
+    read of a JobSet: a JobSet in the same shape, without its pod templates (but their
+    PriorityClass)."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
     annotations = meta.get("annotations") or {}
-    replicated = [
-        {
-            "name": r.get("name"),
-            "replicas": r.get("replicas", 1),
-            "template": {
-                "spec": {
-                    "parallelism": ((r.get("template") or {}).get("spec") or {}).get("parallelism")
-                }
-            },
-        }
-        for r in spec.get("replicatedJobs") or []
-    ]
+    replicated = []
+    for r in spec.get("replicatedJobs") or []:
+        job_spec = (r.get("template") or {}).get("spec") or {}
+        pod_spec = (job_spec.get("template") or {}).get("spec") or {}
+        template: dict[str, Any] = {"parallelism": job_spec.get("parallelism")}
+        if pod_spec.get("priorityClassName"):  # Kueue's priority without a label
+            template["template"] = {"spec": {"priorityClassName": pod_spec["priorityClassName"]}}
+        replicated.append(
+            {
+                "name": r.get("name"),
+                "replicas": r.get("replicas", 1),
+                "template": {"spec": template},
+            }
+        )
     summary_meta = _meta(meta, "name", "namespace", "uid", "resourceVersion", "labels")
     summary_meta["ownerReferences"] = [
         _meta(r, "apiVersion", "kind", "name", "uid") for r in meta.get("ownerReferences") or []
