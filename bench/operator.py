@@ -12,6 +12,7 @@ All on one API server (etcd + kube-apiserver, no controllers: nothing else write
 (c) idle: with those jobs in place and nothing changing, requests per second the API
     server serves (its apiserver_request_total, less this script's own reads).
 (d) the operator's peak RSS (VmHWM) after all of it.
+(e) a standby replica taking over from a killed leader with all those jobs present.
 
     python bench/operator.py --jobs 500 --present 1000 --rate 5
 """
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,15 +56,19 @@ def peak_rss_mib(pid: int) -> float:
     return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]) / 1024
 
 
-def apiserver_requests(plane) -> float:
-    """Requests the API server has served (all verbs, all clients), from its metrics."""
+def apiserver_requests(plane) -> Counter:
+    """Requests the API server has served (all clients), by verb and resource, from its
+    apiserver_request_total."""
     response = plane.api_client.call_api("GET", plane.api_client.configuration.host + "/metrics")
     response.read()
-    total = 0.0
+    counts: Counter = Counter()
     for line in response.data.decode().splitlines():
         if line.startswith("apiserver_request_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            counts[f"{labels.get('verb')} {labels.get('resource')}"] += float(
+                line.rsplit(" ", 1)[1]
+            )
+    return counts
 
 
 class Seen:
@@ -193,8 +200,13 @@ def run(plane, n: int, present: int, rate: float, steady: int, idle_s: float) ->
             cpu_seconds(apiserver),
         )
         time.sleep(idle_s)
-        requests = apiserver_requests(plane) - req0 - 1  # less this script's one read
-        out["idle_rps"] = requests / idle_s
+        requests = apiserver_requests(plane)
+        requests.subtract(req0)
+        requests["GET "] -= 1  # this script's first read of /metrics
+        out["idle_rps"] = sum(requests.values()) / idle_s
+        out["idle_top"] = ", ".join(
+            f"{k} {v / idle_s:.2f}/s" for k, v in requests.most_common(5) if v > 0
+        )
         out["idle_op_cpu"] = cpu_seconds(op.proc.pid) - op_cpu0
         out["idle_api_cpu"] = cpu_seconds(apiserver) - api_cpu0
 
@@ -220,6 +232,26 @@ def run(plane, n: int, present: int, rate: float, steady: int, idle_s: float) ->
         out["jobs_present"] = len(job_seen.times)
         out["rss_mib"] = peak_rss_mib(op.proc.pid)
         out["op_cpu_total"] = cpu_seconds(op.proc.pid)
+
+        # (e) a standby takes over: the leader is killed; the time until the standby has
+        # reconciled every job (its reconcile count), from the kill.
+        standby = OperatorProcess(
+            plane.kubeconfig, Path("/tmp"), ns, "-n", ns, identity="standby"
+        ).start(wait_leader=False)
+        try:
+            time.sleep(3)
+            op.kill()
+            killed = time.monotonic()
+            while (standby.metric("posttrain_reconciles_total", 'handler="status"') or 0) < len(
+                job_seen.times
+            ):
+                if time.monotonic() - killed > 300:
+                    break
+                time.sleep(0.5)
+            out["takeover_s"] = time.monotonic() - killed
+            out["standby_rss_mib"] = peak_rss_mib(standby.proc.pid)
+        finally:
+            standby.stop()
         js_seen.stop()
         job_seen.stop()
     finally:
@@ -251,8 +283,12 @@ def report(r: dict, n: int, present: int, rate: float) -> list[str]:
         f"(c) idle with {present} jobs: {r['idle_rps']:.2f} requests/s to the API server "
         f"(target < 1); operator CPU {r['idle_op_cpu']:.2f}s, API server CPU "
         f"{r['idle_api_cpu']:.2f}s over the window",
+        f"    by verb and resource: {r['idle_top']}",
         f"(d) operator peak RSS {r['rss_mib']:.0f} MiB with {r['jobs_present']} jobs "
         f"(target <= 150 MiB); operator CPU in all {r['op_cpu_total']:.1f}s",
+        f"(e) standby takeover after SIGKILL of the leader: every job reconciled by the "
+        f"standby {r['takeover_s']:.1f}s after the kill (the Lease lasts 15s; target <= 30s); "
+        f"its peak RSS {r['standby_rss_mib']:.0f} MiB",
     ]
 
 

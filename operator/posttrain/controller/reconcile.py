@@ -92,9 +92,11 @@ class Written:
 def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed] | None:
     """The job and its children as last seen (on the event loop); None when it is gone."""
     namespace, name = key
-    job = Written.newest(Written.jobs, key, watches.job(indexes, namespace, name))
-    if job is None:
+    seen = watches.job(indexes, namespace, name)
+    if seen is None:  # deleted: what was written of it is gone too
+        Written.forget(key)
         return None
+    job = Written.newest(Written.jobs, key, seen)
     uid = job["metadata"]["uid"]
     jobset = watches.jobset(indexes, namespace, name, uid)
     mine = Written.jobsets.get(key)
