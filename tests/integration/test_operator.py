@@ -676,7 +676,9 @@ def test_throttling_api_server_loses_no_job(apiserver: Cluster, namespace: str, 
         op.stop()
         restart()
         drop_chart_identity(apiserver, namespace)
-    assert sorted(j["metadata"]["name"] for j in jobsets(apiserver, namespace)) == names
+    # Just restarted, the server answers 429 until its caches are filled again.
+    listed = wait_for(lambda: jobsets(apiserver, namespace), timeout=60, what="a JobSet list")
+    assert sorted(j["metadata"]["name"] for j in listed) == names
     for name in names:
         status = get_job(apiserver, namespace, name)["status"]
         assert status["phase"] == "Pending" and status["jobSetName"] == name
