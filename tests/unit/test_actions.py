@@ -241,3 +241,17 @@ def test_queue_runs_each_key_once_at_a_time_and_backs_off():
         await queue.stop()
 
     asyncio.run(scenario())
+
+
+def test_user_suspend_deactivates_an_admitted_workload():
+    from posttrain.controller.phase import WorkloadState
+
+    suspended = job(status=PENDING, scheduling={"suspend": True})
+    js = jobset(annotation=scheduling_annotation(suspended["spec"]), suspend=False)
+    admitted = WorkloadState(True, name="w")
+    assert decide(suspended, Observed(js, (), admitted), NOW).workload_active is False
+    inactive = WorkloadState(False, "Deactivated", "m", "w", False)
+    assert decide(suspended, Observed(js, (), inactive), NOW).workload_active is None
+    resumed = job(status=PENDING)
+    assert decide(resumed, Observed(js, (), inactive), NOW).workload_active is True
+    assert decide(resumed, Observed(js, (), None), NOW).workload_active is None

@@ -18,6 +18,7 @@ from posttrain.controller.phase import (
     changed,
     status_patch,
     status_reason,
+    workload_activation,
 )
 from posttrain.controller.watches import SCHEDULING_ANNOTATION
 from posttrain.render.jobset import KUEUE_PRIORITY_LABEL, scheduling_patch
@@ -48,6 +49,7 @@ class Actions:
     events: list[Event] = field(default_factory=list)  # posted once the status is written
     jobset_patch: dict[str, Any] = field(default_factory=dict)
     jobset_events: list[Event] = field(default_factory=list)  # once the JobSet is patched
+    workload_active: bool | None = None  # the Workload's spec.active, when it must change
 
 
 def finished(job: dict[str, Any]) -> bool:
@@ -149,4 +151,8 @@ def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
     )
     actions = status_write(previous, patch)
     actions.jobset_patch, actions.jobset_events = scheduling_update(spec, observed.jobset)
+    # Kueue starts a suspended JobSet whose Workload it admitted: the user's suspend
+    # deactivates the Workload (Kueue's own way to stop a job).
+    suspend = bool((spec.get("scheduling") or {}).get("suspend"))
+    actions.workload_active = workload_activation(suspend, observed.workload)
     return actions

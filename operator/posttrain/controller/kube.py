@@ -217,6 +217,24 @@ def patch(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         raise retry(e, f"patch {path}") from e
 
 
+def pending_workloads(namespace: str, queue: str) -> dict[str, Any] | None:
+    """Kueue's visibility API: a LocalQueue's pending Workloads with their positions
+    (PendingWorkloadsSummary); None where it cannot be read (not served, no such queue)."""
+    path = (
+        f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{namespace}/localqueues/"
+        f"{queue}/pendingworkloads"
+    )
+    try:
+        return request("GET", path, timeout=5)
+    except (ApiException, urllib3.exceptions.HTTPError, ValueError) as e:
+        log.debug("no queue positions for %s/%s: %s", namespace, queue, e)
+        return None
+
+
+def workload_path(namespace: str, name: str) -> str:
+    return f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{namespace}/workloads/{name}"
+
+
 def job_path(namespace: str, name: str) -> str:
     return f"{JOB_PATH.format(namespace=namespace)}/{name}"
 

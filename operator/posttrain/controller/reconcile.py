@@ -1,8 +1,8 @@
 """Reconcile one job: gather it and its children from the watches' indexes (no reads),
 decide with `actions.decide`, apply with `kube`.
 
-`gather` runs on kopf's event loop (where the indexes change); `apply` runs in a worker
-thread with a copy, and makes only the calls the decision asks for: the job's objects
+Both run in a worker thread, `apply` with a copy, and make only the calls the decision
+asks for: the job's objects
 when its JobSet is not there (the JobSet last, after every object its pods use is known
 to be the job's own), a JobSet patch for a spec.scheduling change, a status patch when
 the status changed. What it writes is remembered (`Written`) until the watches bring it
@@ -33,7 +33,7 @@ from posttrain.controller.actions import (
     scheduling_annotation,
     status_write,
 )
-from posttrain.controller.phase import Observation, observation_patch
+from posttrain.controller.phase import Observation, observation_patch, waits_in_queue
 from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
 from posttrain.controller.workqueue import WorkQueue
 from posttrain.render import RenderConfig, render
@@ -90,7 +90,8 @@ class Written:
 
 
 def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed] | None:
-    """The job and its children as last seen (on the event loop); None when it is gone."""
+    """The job and its children as last seen; None when it is gone. (A queued job's
+    position is read from Kueue's visibility API, at most once per queue and 10 s.)"""
     namespace, name = key
     seen = watches.job(indexes, namespace, name)
     if seen is None:  # deleted: what was written of it is gone too
@@ -119,6 +120,7 @@ class Result:
     job: dict[str, Any] | None = None  # the job after its status write
     jobset: dict[str, Any] | None = None  # the JobSet after its create or patch
     events: list[Event] = field(default_factory=list)
+    waiting: bool = False  # it waits in a Kueue queue
 
 
 def _fail(job: dict[str, Any], reason: str, message: str) -> Actions:
@@ -188,8 +190,12 @@ def apply(job: dict[str, Any], observed: Observed, result: Result) -> None:
         if jobset is None:
             return
         actions = decide(job, Observed(jobset, observed.pods, observed.workload), _now())
+    meta = job["metadata"]
+    workload = observed.workload
+    if actions.workload_active is not None and workload is not None and workload.name:
+        path = kube.workload_path(meta["namespace"], workload.name)
+        kube.patch(path, {"spec": {"active": actions.workload_active}})
     if actions.jobset_patch:
-        meta = job["metadata"]
         path = kube.jobset_path(meta["namespace"], meta["name"])
         if (stored := kube.patch(path, actions.jobset_patch)) is not None:
             result.jobset = jobset_summary(stored)
@@ -207,18 +213,30 @@ def _record(key: Key, result: Result) -> None:
         Written.jobsets[key] = result.jobset
 
 
-async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None:
-    """One reconcile of the job at `key` (a WorkQueue's work): transient errors re-queue
-    it with backoff; what was done before one is kept, and its Events are posted."""
+def _run(key: Key, indexes: dict[str, Any], result: Result) -> dict[str, Any] | None:
+    """Gather and apply (in a worker thread); the job as gathered, None when it is gone."""
     gathered = gather(key, indexes)
     if gathered is None:
-        queue.drop(key)
-        return
+        return None
     job, observed = gathered
+    result.waiting = waits_in_queue(observed.workload)
+    apply(job, observed, result)
+    return job
+
+
+async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None:
+    """One reconcile of the job at `key` (a WorkQueue's work): transient errors re-queue
+    it with backoff; what was done before one is kept, and its Events are posted. A job
+    waiting in a Kueue queue is looked at again every watches.POSITIONS.ttl seconds: its
+    position there comes with no event."""
     result = Result()
+    job = None
     start = time.monotonic()
     try:
-        await asyncio.get_running_loop().run_in_executor(_pool, apply, job, observed, result)
+        job = await asyncio.get_running_loop().run_in_executor(_pool, _run, key, indexes, result)
+        if job is None:
+            queue.drop(key)
+            return
     except kube.Leftover as e:
         queue.retry(key, e.delay, backoff=False)
     except kube.Retry as e:
@@ -230,9 +248,11 @@ async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None
         raise
     else:
         queue.forget(key)
+        if result.waiting:
+            queue.later(key, watches.POSITIONS.ttl)
     finally:
         metrics.RECONCILES.labels(result.kind).inc()
         metrics.LATENCY.labels(result.kind).observe(time.monotonic() - start)
         _record(key, result)
-        for event in result.events:
+        for event in result.events if job is not None else ():
             kopf.event(job, type=event.type, reason=event.reason, message=event.message)

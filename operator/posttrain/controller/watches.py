@@ -164,8 +164,16 @@ def inactive_cluster_queue_index(name: str, body: kopf.Body, **_: Any) -> dict[s
 
 
 def _values(index: kopf.Index | None, key: Key) -> list[Any]:
-    """The values under key (read on kopf's event loop, where the indexes change)."""
-    return list(index.get(key, ())) if index is not None else []
+    """The values under key. Reconciles read in threads while the event loop updates the
+    indexes: a copy that raced with an update is taken again."""
+    if index is None:
+        return []
+    for _ in range(10):
+        try:
+            return list(index.get(key, ()))
+        except RuntimeError:  # changed size during iteration
+            continue
+    return list(index.get(key, ()))
 
 
 def job(indexes: dict[str, Any], namespace: str, name: str) -> dict[str, Any] | None:

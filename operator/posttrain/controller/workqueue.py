@@ -32,6 +32,7 @@ class WorkQueue:
         self._dirty: set[Hashable] = set()
         self._failures: collections.Counter[Hashable] = collections.Counter()
         self._due: dict[Hashable, asyncio.TimerHandle] = {}
+        self._later: dict[Hashable, asyncio.TimerHandle] = {}
         self._items = asyncio.Semaphore(0)
         self._tasks: list[asyncio.Task] = []
 
@@ -68,14 +69,26 @@ class WorkQueue:
             self._due.pop(key).cancel()
         self._due[key] = asyncio.get_running_loop().call_later(wait, self._due_now, key)
 
+    def later(self, key: Hashable, delay: float) -> None:
+        """Run key again in `delay` seconds (something it waits for sends no event)."""
+        if key in self._later:
+            return
+
+        def due() -> None:
+            self._later.pop(key, None)
+            self.add(key)
+
+        self._later[key] = asyncio.get_running_loop().call_later(delay, due)
+
     def forget(self, key: Hashable) -> None:
         self._failures.pop(key, None)
 
     def drop(self, key: Hashable) -> None:
         """The job is gone: no retry for it."""
         self._failures.pop(key, None)
-        if key in self._due:
-            self._due.pop(key).cancel()
+        for pending in (self._due, self._later):
+            if key in pending:
+                pending.pop(key).cancel()
 
     def _due_now(self, key: Hashable) -> None:
         self._due.pop(key, None)
