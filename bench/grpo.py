@@ -35,8 +35,9 @@ from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
-from posttrain.trainer import data, grpo, loop, models  # noqa: E402
+from posttrain.trainer import data, grpo, models  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
+from posttrain.trainer.policy import load_policy, shard_like_params  # noqa: E402
 
 
 def make_job(model_dir: Path, prompts: Path, args: argparse.Namespace):
@@ -73,7 +74,7 @@ def make_job(model_dir: Path, prompts: Path, args: argparse.Namespace):
 
 def setup(job):
     mesh = models.make_mesh()
-    policy = loop.load_policy(job.spec, mesh, Path(tempfile.mkdtemp()))
+    policy = load_policy(job.spec, mesh, Path(tempfile.mkdtemp()))
     tokenizer = data.load_tokenizer(policy.model_dir)
     loader = data.build_loader(job.spec, tokenizer)
     run = grpo.GrpoRun(job, ProcessInfo(None, 1, 0), policy, tokenizer, mesh)
@@ -85,7 +86,7 @@ def time_ours(job, steps: int) -> dict[str, float]:
     batches = timed(next(loader) for _ in range(steps + 1))
     trained = 0
     with jax.set_mesh(mesh):
-        loop._shard_like_params(run.opt, mesh)
+        shard_like_params(run.opt, mesh)
         for i, b in enumerate(batches):
             out = run(b, i)
             if i == 0:  # compiled and run before the clock starts

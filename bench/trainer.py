@@ -27,7 +27,8 @@ from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
-from posttrain.trainer import data, loop, lora, models, sft  # noqa: E402
+from posttrain.trainer import data, lora, models, sft  # noqa: E402
+from posttrain.trainer.policy import DTYPES, shard_like_params  # noqa: E402
 
 
 def batches(
@@ -55,14 +56,14 @@ def batches(
 
 
 def fresh(model_dir: Path, rank: int, dtype: str):
-    model, _ = models.load_model(model_dir, dtype=loop.DTYPES[dtype])
+    model, _ = models.load_model(model_dir, dtype=DTYPES[dtype])
     return lora.apply_lora(model, rank, 2.0 * rank)
 
 
 def time_ours(model_dir: Path, rank: int, dtype: str, data_batches: list[dict]) -> float:
     model = fresh(model_dir, rank, dtype)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
-    loop._shard_like_params(opt, models.make_mesh())  # as the training loop does
+    shard_like_params(opt, models.make_mesh())  # as the training loop does
     step = sft.make_train_step(nnx.LoRAParam, 1)
     keys = ("input_ids", "loss_mask", "segment_ids", "positions")
     arrays = [{k: jax.numpy.asarray(b[k]) for k in keys} for b in data_batches]
@@ -107,7 +108,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--dtype", choices=sorted(loop.DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = p.parse_args()
     model_dir = make_tiny_llama(
         Path(tempfile.mkdtemp()) / "model", hidden=args.hidden, layers=args.layers

@@ -213,12 +213,13 @@ def test_lora_gspo_with_every_reward_type_resumes_exactly(task, tmp_path):
 
 
 def test_reference_per_beta_and_host_local_rollouts(task, tmp_path):
-    from posttrain.trainer import data, grpo, loop, models
+    from posttrain.trainer import data, grpo, models
+    from posttrain.trainer.policy import load_policy
 
     def grpo_run(spec, **kw):
         parsed = job(spec)
         mesh = models.make_mesh()
-        policy = loop.load_policy(parsed.spec, mesh, tmp_path)
+        policy = load_policy(parsed.spec, mesh, tmp_path)
         tokenizer = data.load_tokenizer(policy.model_dir)
         return grpo.GrpoRun(parsed, ProcessInfo(None, 1, 0), policy, tokenizer, mesh, **kw)
 

@@ -28,7 +28,7 @@ from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
 from posttrain.trainer import data, models, storage
-from posttrain.trainer.loop import export_checkpoint, peft_base_model_name
+from posttrain.trainer.export import export_checkpoint, peft_base_model_name
 from tests.trainer.data_helpers import gcs_bucket
 
 pytestmark = pytest.mark.trainer

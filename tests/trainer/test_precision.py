@@ -23,8 +23,9 @@ from safetensors import safe_open
 from tiny_job import run_job, tiny_job, validated
 from tiny_model import make_tiny_llama
 
-from posttrain.trainer import loop, lora, models, optim, sft
+from posttrain.trainer import lora, models, optim, sft
 from posttrain.trainer.models.saving import save_hf
+from posttrain.trainer.policy import load_policy
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ class Trainer:
 
     def __init__(self, job):
         spec = job.spec
-        self.policy = loop.load_policy(spec, models.make_mesh(), Path(tempfile.mkdtemp()))
+        self.policy = load_policy(spec, models.make_mesh(), Path(tempfile.mkdtemp()))
         self.model, self.wrt = self.policy.model, self.policy.wrt
         self.opt = nnx.Optimizer(self.model, optim.optimizer(spec.training), wrt=self.wrt)
         self._step = sft.make_train_step(self.wrt, spec.training.gradient_accumulation)

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from posttrain.trainer import evaluate, loop, models, optim, sft, sources
+from posttrain.trainer.policy import DTYPES
 
 
 def token_losses(
@@ -126,7 +127,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
         layers_field="spec.distill.teacher.layers",
         family=teacher_spec.family,
         mesh=mesh,
-        dtype=loop.DTYPES[teacher_spec.dtype],
+        dtype=DTYPES[teacher_spec.dtype],
     )
     if info.vocab_size != student.vocab_size:
         raise ValueError(

@@ -31,6 +31,7 @@ from flax import nnx
 
 from posttrain.api.spec import DpoSpec
 from posttrain.trainer import evaluate, loop, models, optim, sources
+from posttrain.trainer.policy import DTYPES
 
 BATCH_KEYS = (
     "prompt_ids",
@@ -211,7 +212,7 @@ def train(run: loop.RunSetup) -> loop.Result:
                 weights=sources.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=run.mesh,
-                dtype=loop.DTYPES[spec.model.dtype],
+                dtype=DTYPES[spec.model.dtype],
             )
     opt = run.optimizer()
     step_fn = make_train_step(policy.wrt, settings, spec.training.gradient_accumulation, reference)

@@ -47,6 +47,7 @@ from flax import nnx
 from posttrain.api.spec import PostTrainJob
 from posttrain.trainer import data, evaluate, loop, models, optim, rewards, sources
 from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.policy import DTYPES, Policy
 
 log = logging.getLogger("posttrain.grpo")
 
@@ -320,7 +321,7 @@ class GrpoRun:
         self,
         job: PostTrainJob,
         process: ProcessInfo,
-        policy: loop.Policy,
+        policy: Policy,
         tokenizer: data.Tokenizer,
         mesh: jax.sharding.Mesh,
         *,
@@ -354,7 +355,7 @@ class GrpoRun:
                 weights=sources.weights_uri(spec.model.source),
                 family=spec.model.family,
                 mesh=mesh,
-                dtype=loop.DTYPES[spec.model.dtype],
+                dtype=DTYPES[spec.model.dtype],
             )
             tunix_call_signature(self.ref_model)
 

@@ -29,32 +29,26 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from posttrain.api.batching import batch_split_error
-from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import (
-    data,
-    evaluate,
-    goodput,
-    lora,
-    models,
-    optim,
-    sft,
-    sources,
-    storage,
-)
+from posttrain.api.spec import PostTrainJob
+from posttrain.trainer import data, evaluate, goodput, models, optim, sft, storage
 from posttrain.trainer import mesh as mesh_lib
-from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
+from posttrain.trainer.checkpoint import Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.models import vision
-from posttrain.trainer.models.saving import save_hf
+from posttrain.trainer.export import OutputDir, best_checkpoint, export_model
+from posttrain.trainer.policy import (
+    Policy,
+    load_policy,
+    restore_into,
+    shard_like_params,
+    trainable_state,
+)
 from posttrain.trainer.progress import Progress, StatusWriter
 
 log = logging.getLogger("posttrain.trainer")
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
 
 
@@ -105,51 +99,6 @@ def _global_batch(
         raise ValueError(batch_split_error(rows, 1, jax.process_count(), devices))
     sharding = jax.sharding.NamedSharding(mesh, spec)
     return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
-
-
-def _trainable(model: nnx.Module, wrt: Any, opt: nnx.Optimizer) -> dict[str, Any]:
-    return {
-        "params": nnx.to_pure_dict(nnx.state(model, wrt)),
-        "opt": nnx.to_pure_dict(nnx.state(opt)),
-    }
-
-
-def _restore_into(
-    model: nnx.Module, wrt: Any, opt: nnx.Optimizer, restored: dict[str, Any]
-) -> None:
-    params = nnx.state(model, wrt)
-    nnx.replace_by_pure_dict(params, restored["params"])
-    nnx.update(model, params)
-    opt_state = nnx.state(opt)
-    nnx.replace_by_pure_dict(opt_state, restored["opt"])
-    nnx.update(opt, opt_state)
-
-
-def _shard_like_params(opt: nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
-    """Give the optimizer state its annotated shardings up front, so the train step is
-    compiled once (not again after the first update changes the layouts)."""
-    state = nnx.state(opt)
-    specs = nnx.get_partition_spec(state)
-    shardings = jax.tree.map(
-        lambda spec: jax.sharding.NamedSharding(mesh, spec),
-        specs,
-        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-    )
-    nnx.update(opt, jax.device_put(state, shardings))
-
-
-class OutputDir:
-    """A local directory that mirrors to output.uri when that is gs://."""
-
-    def __init__(self, uri: str, name: str, scratch: Path):
-        self.uri = storage.join(uri, name)
-        self.remote = storage.is_gcs(uri)
-        self.local = (scratch / name) if self.remote else Path(self.uri)
-        self.local.mkdir(parents=True, exist_ok=True)
-
-    def sync(self) -> None:
-        if self.remote and jax.process_index() == 0:
-            storage.upload_dir(self.local, self.uri)
 
 
 # Modules of the other techniques; each has train(run: RunSetup) -> Result, and may have
@@ -303,51 +252,6 @@ def build_data(
     return loader, held_out
 
 
-@dataclass
-class Policy:
-    """The model being trained, what it was loaded from, and which params train."""
-
-    model: nnx.Module
-    info: models.ModelInfo
-    wrt: Any  # nnx.Param (full fine-tune) or nnx.LoRAParam
-    model_dir: str
-
-
-def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
-    """spec.model loaded on the mesh, with spec.lora's adapters (restored when asked)."""
-    # Forward and backward run in spec.model.dtype. What trains is float32 (the master
-    # weights the optimizer updates and checkpoints hold): every weight of a full
-    # fine-tune, the adapters of LoRA (apply_lora), whose frozen base stays in model.dtype.
-    compute = DTYPES[spec.model.dtype]
-    model, info = sources.load_model_source(
-        spec.model.source,
-        scratch,
-        family=spec.model.family,
-        num_layers=spec.model.layers,
-        mesh=mesh,
-        dtype=compute if spec.lora else jnp.float32,
-        compute_dtype=compute,
-        vision=spec.data.columns.images is not None,
-    )
-    wrt: Any = vision.full_finetune_params() if info.vision else nnx.Param
-    if spec.lora:
-        model = lora.apply_lora(
-            model,
-            spec.lora.rank,
-            spec.lora.alpha,
-            spec.lora.target_modules,
-            mesh,
-            seed=spec.training.seed,
-        )
-        if spec.lora.restore_from:
-            adapter = sources.local_model_dir(
-                spec.lora.restore_from, scratch, field="spec.lora.restoreFrom"
-            )
-            lora.load_peft_adapter(model, adapter)
-        wrt = nnx.LoRAParam
-    return Policy(model, info, wrt, info.model_dir)
-
-
 def run_steps(
     job: PostTrainJob,
     policy: Policy,
@@ -387,10 +291,10 @@ def run_steps(
     # The restore target must carry the final layouts: every host then reads only its own
     # shards (a fresh optimizer state sits on one device, which another host cannot reach).
     with jax.set_mesh(mesh):
-        _shard_like_params(opt, mesh)
-    restored = checkpoints.restore_latest(_trainable(model, wrt, opt))
+        shard_like_params(opt, mesh)
+    restored = checkpoints.restore_latest(trainable_state(model, wrt, opt))
     if restored is not None:
-        _restore_into(model, wrt, opt, restored.state)
+        restore_into(model, wrt, opt, restored.state)
         loader.set_state(restored.data_state)
         result.step = result.resumed_from = restored.step
         log.info("resumed from checkpoint step %d", restored.step)
@@ -454,12 +358,14 @@ def run_steps(
             if eval_now:
                 scores = result.evals[result.step] = evaluation.evaluate(result.step, progress)
                 if best is not None:
-                    best.offer(result.step, scores, _trainable(model, wrt, opt), loader.get_state())
+                    best.offer(
+                        result.step, scores, trainable_state(model, wrt, opt), loader.get_state()
+                    )
                 clock.charge("eval")
             if save_now:
                 checkpoints.save(
                     result.step,
-                    _trainable(model, wrt, opt),
+                    trainable_state(model, wrt, opt),
                     loader.get_state(),
                     {"loss": float(loss)},
                 )
@@ -475,10 +381,10 @@ def run_steps(
     result.stopped_early = result.step < total
     if not result.stopped_early:
         if str(spec.output.export_from) == "best" and best is not None:
-            restored = best.restore(_trainable(model, wrt, opt))
-            _restore_into(model, wrt, opt, restored.state)
+            restored = best.restore(trainable_state(model, wrt, opt))
+            restore_into(model, wrt, opt, restored.state)
             log.info("exporting the best %s, step %d", best.metric, restored.step)
-        result.export_dir = _export(job, model, policy.info, scratch)
+        result.export_dir = export_model(job, model, policy.info, scratch)
     if best is not None:
         best.close()
     clock.charge("other")
@@ -596,98 +502,3 @@ def finished_run(spec: Any) -> Result | None:
         spec.output.uri,
     )
     return Result(step=step, resumed_from=step, export_dir=export, already_finished=True)
-
-
-def peft_base_model_name(source: str) -> str:
-    """The model source as a user passes it to `from_pretrained`: a Hub repo id for
-    hf://org/name[@rev], a gs:// URI as written, and a local path made absolute so the
-    adapter loads from any directory."""
-    if source.startswith("hf://"):
-        return source[len("hf://") :].split("@", 1)[0]
-    if storage.is_gcs(source):
-        return source
-    return str(Path(source).expanduser().resolve())
-
-
-def best_checkpoint(spec: Any) -> BestCheckpoint | None:
-    """checkpoint.keepBest's checkpoint directory (None without keepBest)."""
-    metric = spec.checkpoint.keep_best
-    if metric is None:
-        return None
-    directory = storage.join(spec.output.uri, "checkpoints-best")
-    return BestCheckpoint(directory, str(metric), str(metric) in LOWER_IS_BETTER)
-
-
-def export_checkpoint(
-    job: PostTrainJob, step: int | None = None, kind: str | None = None, *, best: bool = False
-) -> tuple[int, str | None]:
-    """Export checkpoint `step` (default: the newest readable one; with `best`, the
-    checkpoint.keepBest one) of a job's run without training (`posttrain export`): as
-    `kind` (adapter | merged; default spec.output.exportHF) to output.uri/hf, or
-    output.uri/hf-step-<step> for an explicit step or the best. Returns (step, URI)."""
-    spec = job.spec
-    if kind == "adapter" and not spec.lora:
-        raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    mesh = models.make_mesh()
-    policy = load_policy(spec, mesh, scratch)
-    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
-    with jax.set_mesh(mesh):
-        _shard_like_params(opt, mesh)
-    target = _trainable(policy.model, policy.wrt, opt)
-    if best:
-        kept = best_checkpoint(spec)
-        if kept is None:
-            raise ValueError("--best: the job has no checkpoint.keepBest")
-        restored = kept.restore(target)
-        kept.close()
-    else:
-        checkpoints = Checkpoints(
-            storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep
-        )
-        if step is None:
-            restored = checkpoints.restore_latest(target)
-            if restored is None:
-                raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
-        else:
-            restored = checkpoints.restore(step, target)
-        checkpoints.close()
-    _restore_into(policy.model, policy.wrt, opt, restored.state)
-    name = "hf" if step is None and not best else f"hf-step-{restored.step}"
-    return restored.step, _export(job, policy.model, policy.info, scratch, kind=kind, name=name)
-
-
-def _export(
-    job: PostTrainJob,
-    model: nnx.Module,
-    info: models.ModelInfo,
-    scratch: Path,
-    *,
-    kind: str | None = None,
-    name: str = "hf",
-) -> str | None:
-    spec = job.spec
-    kind = kind or str(spec.output.export_hf)
-    if kind == "auto":
-        kind = "adapter" if spec.lora else "merged"
-    if kind == "none":
-        return None
-    out = OutputDir(spec.output.uri, name, scratch)
-    if kind == "adapter":
-        lora.save_peft_adapter(
-            model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
-        )
-    else:
-        save_hf(model, out.local, info)
-    if jax.process_index() == 0:
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ):
-            source = Path(info.model_dir) / name
-            if source.exists() and not (out.local / name).exists():
-                (out.local / name).write_bytes(source.read_bytes())
-    out.sync()
-    return out.uri

@@ -1,0 +1,133 @@
+"""A run's exports under output.uri: the PEFT adapter or merged HF model a finished run
+writes to hf/ (`export_model`), and `posttrain export` of a chosen checkpoint
+(`export_checkpoint`), with the directories they write (`OutputDir`) and the
+checkpoint.keepBest checkpoint (`best_checkpoint`)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
+from posttrain.trainer import lora, models, optim, storage
+from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
+from posttrain.trainer.models.saving import save_hf
+from posttrain.trainer.policy import load_policy, restore_into, shard_like_params, trainable_state
+
+
+class OutputDir:
+    """A local directory that mirrors to output.uri when that is gs://."""
+
+    def __init__(self, uri: str, name: str, scratch: Path):
+        self.uri = storage.join(uri, name)
+        self.remote = storage.is_gcs(uri)
+        self.local = (scratch / name) if self.remote else Path(self.uri)
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def sync(self) -> None:
+        if self.remote and jax.process_index() == 0:
+            storage.upload_dir(self.local, self.uri)
+
+
+def peft_base_model_name(source: str) -> str:
+    """The model source as a user passes it to `from_pretrained`: a Hub repo id for
+    hf://org/name[@rev], a gs:// URI as written, and a local path made absolute so the
+    adapter loads from any directory."""
+    if source.startswith("hf://"):
+        return source[len("hf://") :].split("@", 1)[0]
+    if storage.is_gcs(source):
+        return source
+    return str(Path(source).expanduser().resolve())
+
+
+def best_checkpoint(spec: Any) -> BestCheckpoint | None:
+    """checkpoint.keepBest's checkpoint directory (None without keepBest)."""
+    metric = spec.checkpoint.keep_best
+    if metric is None:
+        return None
+    directory = storage.join(spec.output.uri, "checkpoints-best")
+    return BestCheckpoint(directory, str(metric), str(metric) in LOWER_IS_BETTER)
+
+
+def export_checkpoint(
+    job: PostTrainJob, step: int | None = None, kind: str | None = None, *, best: bool = False
+) -> tuple[int, str | None]:
+    """Export checkpoint `step` (default: the newest readable one; with `best`, the
+    checkpoint.keepBest one) of a job's run without training (`posttrain export`): as
+    `kind` (adapter | merged; default spec.output.exportHF) to output.uri/hf, or
+    output.uri/hf-step-<step> for an explicit step or the best. Returns (step, URI)."""
+    spec = job.spec
+    if kind == "adapter" and not spec.lora:
+        raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
+    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
+    mesh = models.make_mesh()
+    policy = load_policy(spec, mesh, scratch)
+    opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+    with jax.set_mesh(mesh):
+        shard_like_params(opt, mesh)
+    target = trainable_state(policy.model, policy.wrt, opt)
+    if best:
+        kept = best_checkpoint(spec)
+        if kept is None:
+            raise ValueError("--best: the job has no checkpoint.keepBest")
+        restored = kept.restore(target)
+        kept.close()
+    else:
+        checkpoints = Checkpoints(
+            storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep
+        )
+        if step is None:
+            restored = checkpoints.restore_latest(target)
+            if restored is None:
+                raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
+        else:
+            restored = checkpoints.restore(step, target)
+        checkpoints.close()
+    restore_into(policy.model, policy.wrt, opt, restored.state)
+    name = "hf" if step is None and not best else f"hf-step-{restored.step}"
+    return restored.step, export_model(
+        job, policy.model, policy.info, scratch, kind=kind, name=name
+    )
+
+
+def export_model(
+    job: PostTrainJob,
+    model: nnx.Module,
+    info: models.ModelInfo,
+    scratch: Path,
+    *,
+    kind: str | None = None,
+    name: str = "hf",
+) -> str | None:
+    """Write the trained model as `kind` (adapter | merged | none | auto; default
+    spec.output.exportHF) to output.uri/<name>, with the source's tokenizer files.
+    Returns its URI (None for none)."""
+    spec = job.spec
+    kind = kind or str(spec.output.export_hf)
+    if kind == "auto":
+        kind = "adapter" if spec.lora else "merged"
+    if kind == "none":
+        return None
+    out = OutputDir(spec.output.uri, name, scratch)
+    if kind == "adapter":
+        lora.save_peft_adapter(
+            model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
+        )
+    else:
+        save_hf(model, out.local, info)
+    if jax.process_index() == 0:
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            source = Path(info.model_dir) / name
+            if source.exists() and not (out.local / name).exists():
+                (out.local / name).write_bytes(source.read_bytes())
+    out.sync()
+    return out.uri

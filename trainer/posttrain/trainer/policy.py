@@ -1,0 +1,93 @@
+"""The model a run trains (`Policy`): spec.model loaded on the mesh with spec.lora's
+adapters (`load_policy`), and its trainable state as a checkpoint holds it: the trainable
+params and the optimizer state (`trainable_state`, `restore_into`), with the optimizer
+state laid out like the params before a restore (`shard_like_params`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.trainer import lora, models, sources
+from posttrain.trainer.models import vision
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def trainable_state(model: nnx.Module, wrt: Any, opt: nnx.Optimizer) -> dict[str, Any]:
+    return {
+        "params": nnx.to_pure_dict(nnx.state(model, wrt)),
+        "opt": nnx.to_pure_dict(nnx.state(opt)),
+    }
+
+
+def restore_into(model: nnx.Module, wrt: Any, opt: nnx.Optimizer, restored: dict[str, Any]) -> None:
+    params = nnx.state(model, wrt)
+    nnx.replace_by_pure_dict(params, restored["params"])
+    nnx.update(model, params)
+    opt_state = nnx.state(opt)
+    nnx.replace_by_pure_dict(opt_state, restored["opt"])
+    nnx.update(opt, opt_state)
+
+
+def shard_like_params(opt: nnx.Optimizer, mesh: jax.sharding.Mesh) -> None:
+    """Give the optimizer state its annotated shardings up front, so the train step is
+    compiled once (not again after the first update changes the layouts)."""
+    state = nnx.state(opt)
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
+    nnx.update(opt, jax.device_put(state, shardings))
+
+
+@dataclass
+class Policy:
+    """The model being trained, what it was loaded from, and which params train."""
+
+    model: nnx.Module
+    info: models.ModelInfo
+    wrt: Any  # nnx.Param (full fine-tune) or nnx.LoRAParam
+    model_dir: str
+
+
+def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
+    """spec.model loaded on the mesh, with spec.lora's adapters (restored when asked)."""
+    # Forward and backward run in spec.model.dtype. What trains is float32 (the master
+    # weights the optimizer updates and checkpoints hold): every weight of a full
+    # fine-tune, the adapters of LoRA (apply_lora), whose frozen base stays in model.dtype.
+    compute = DTYPES[spec.model.dtype]
+    model, info = sources.load_model_source(
+        spec.model.source,
+        scratch,
+        family=spec.model.family,
+        num_layers=spec.model.layers,
+        mesh=mesh,
+        dtype=compute if spec.lora else jnp.float32,
+        compute_dtype=compute,
+        vision=spec.data.columns.images is not None,
+    )
+    wrt: Any = vision.full_finetune_params() if info.vision else nnx.Param
+    if spec.lora:
+        model = lora.apply_lora(
+            model,
+            spec.lora.rank,
+            spec.lora.alpha,
+            spec.lora.target_modules,
+            mesh,
+            seed=spec.training.seed,
+        )
+        if spec.lora.restore_from:
+            adapter = sources.local_model_dir(
+                spec.lora.restore_from, scratch, field="spec.lora.restoreFrom"
+            )
+            lora.load_peft_adapter(model, adapter)
+        wrt = nnx.LoRAParam
+    return Policy(model, info, wrt, info.model_dir)
