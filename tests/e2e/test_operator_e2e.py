@@ -81,6 +81,21 @@ def pods(cluster: Cluster, namespace: str) -> list:
     return cluster.core.list_namespaced_pod(namespace).items
 
 
+def set_suspend(cluster: Cluster, namespace: str, name: str, suspend: bool) -> None:
+    """Sets the job's spec.scheduling.suspend, as a user does (kubectl patch)."""
+    patch = '{"spec":{"scheduling":{"suspend":%s}}}' % ("true" if suspend else "false")
+    cluster.kubectl("patch", "ptj", name, "-n", namespace, "--type=merge", "-p", patch)
+
+
+def wait_pods_removed(cluster: Cluster, namespace: str, timeout: int) -> None:
+    """Waits until no pod of the namespace is left that is not being deleted."""
+    wait_for(
+        lambda: not [p for p in pods(cluster, namespace) if not p.metadata.deletion_timestamp],
+        timeout=timeout,
+        what="pods removed while suspended",
+    )
+
+
 def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "happy", "posttrain-trainer:slow")
     wait_for(
@@ -143,32 +158,10 @@ def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, ope
 def test_suspend_and_resume(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "pause", "posttrain-trainer:slow")
     wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Running", timeout=90)
-    cluster.kubectl(
-        "patch",
-        "ptj",
-        "pause",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"scheduling":{"suspend":true}}}',
-    )
+    set_suspend(cluster, namespace, "pause", True)
     wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Suspended", timeout=60)
-    wait_for(
-        lambda: not [p for p in pods(cluster, namespace) if not p.metadata.deletion_timestamp],
-        timeout=60,
-        what="pods removed while suspended",
-    )
-    cluster.kubectl(
-        "patch",
-        "ptj",
-        "pause",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"scheduling":{"suspend":false}}}',
-    )
+    wait_pods_removed(cluster, namespace, 60)
+    set_suspend(cluster, namespace, "pause", False)
     cluster.kubectl(
         "wait", "--for=condition=Succeeded", "ptj/pause", "-n", namespace, "--timeout=120s"
     )
@@ -301,15 +294,10 @@ def test_suspend_while_queued_then_resume(cluster: Cluster, namespace: str, oper
     try:
         tpu_job(cluster, namespace, "held", "posttrain-trainer:slow", queue="tpu")
         wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=60)
-        patch = '{"spec":{"scheduling":{"suspend":%s}}}'
-        cluster.kubectl(
-            "patch", "ptj", "held", "-n", namespace, "--type=merge", "-p", patch % "true"
-        )
+        set_suspend(cluster, namespace, "held", True)
         wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Suspended", timeout=30)
         assert pods(cluster, namespace) == []
-        cluster.kubectl(
-            "patch", "ptj", "held", "-n", namespace, "--type=merge", "-p", patch % "false"
-        )
+        set_suspend(cluster, namespace, "held", False)
         wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=30)
         time.sleep(3)
         assert status(cluster, namespace, "held")["phase"] == "Queued"
@@ -489,7 +477,6 @@ def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace:
     in a row of flips."""
     queue = cluster.tpu_queue(namespace, "tpu", chips=8)
     watch = PhaseWatch(cluster, namespace, "pausing")
-    patch = '{"spec":{"scheduling":{"suspend":%s}}}'
     try:
         tpu_job(cluster, namespace, "pausing", "posttrain-trainer:long", queue="tpu")
         wait_for(
@@ -497,22 +484,14 @@ def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace:
             timeout=60,
             describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads,pods"),
         )
-        cluster.kubectl(
-            "patch", "ptj", "pausing", "-n", namespace, "--type=merge", "-p", patch % "true"
-        )
+        set_suspend(cluster, namespace, "pausing", True)
         wait_for(
             lambda: status(cluster, namespace, "pausing").get("phase") == "Suspended", timeout=30
         )
-        wait_for(
-            lambda: not [p for p in pods(cluster, namespace) if not p.metadata.deletion_timestamp],
-            timeout=30,
-            what="pods removed while suspended",
-        )
+        wait_pods_removed(cluster, namespace, 30)
         row = get_row(cluster, namespace, "pausing")
         assert row.split()[4] == "Suspended" and "suspended by spec.scheduling.suspend" in row
-        cluster.kubectl(
-            "patch", "ptj", "pausing", "-n", namespace, "--type=merge", "-p", patch % "false"
-        )
+        set_suspend(cluster, namespace, "pausing", False)
         wait_for(
             lambda: status(cluster, namespace, "pausing").get("phase") == "Running", timeout=60
         )
