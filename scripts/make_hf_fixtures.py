@@ -48,7 +48,7 @@ SEED = 0
 LORA_RANK, LORA_ALPHA = 4, 8.0
 TOLERANCE = 1e-4
 
-_COMMON = dict(
+TINY_DECODER = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=64,
@@ -139,29 +139,40 @@ def input_ids(vocab: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- torch side
 
 
+def randomize(model, init) -> None:
+    """Gives every parameter of a torch model, in name order, ``init(name, param, noise)``
+    for its draw of one SEED-seeded stream of standard normal noise."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.copy_(init(name, p, noise))
+
+
 def _hf_model(family: str):
     import torch
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**_COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**TINY_DECODER, **extra})
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
     )
-    gen = torch.Generator().manual_seed(SEED)
     gemma = family.startswith("gemma")
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):  # gemma norms scale by (1 + w)
-                p.copy_(0.2 * noise if gemma else 1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.25 * noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
+
+    def init(name, p, noise):
+        if name.endswith("norm.weight"):  # gemma norms scale by (1 + w)
+            return 0.2 * noise if gemma else 1.0 + 0.2 * noise
+        if name.endswith(".bias"):
+            return 0.2 * noise
+        if "embed_tokens" in name:
+            return 0.25 * noise
+        return noise / p.shape[-1] ** 0.5
+
+    randomize(model, init)
     return model.eval()
 
 
@@ -220,7 +231,7 @@ def make_peft() -> None:
     from flax import nnx
 
     from posttrain.trainer import lora as lora_lib
-    from posttrain.trainer import models
+    from posttrain.trainer import models, peft_format
 
     for i, name in enumerate(FAMILIES):
         out = FIXTURES / name
@@ -232,7 +243,7 @@ def make_peft() -> None:
         ):
             key, sub = jax.random.split(key)
             var.set_value(0.3 * jax.random.normal(sub, var.shape, var.get_value().dtype))
-        lora_lib.save_peft_adapter(
+        peft_format.save_peft_adapter(
             lora, out / "peft_adapter", info, base_model_name=f"posttrain-fixtures/tiny-{name}"
         )
         ids = np.load(out / "golden.npz")["input_ids"]

@@ -18,7 +18,7 @@ from hf_fixtures import FIXTURE_FAMILY, FIXTURES, fixture_loader
 from safetensors.numpy import load_file
 
 from posttrain.trainer import lora as lora_lib
-from posttrain.trainer import models
+from posttrain.trainer import models, peft_format
 from posttrain.trainer.models.saving import save_hf
 
 pytestmark = pytest.mark.trainer
@@ -134,14 +134,14 @@ def test_peft_golden(family, base, tmp_path):
     model, info = base(family)
     adapted = lora_lib.apply_lora(model, RANK, ALPHA)
     adapter = FIXTURES / family / "peft_adapter"
-    lora_lib.load_peft_adapter(adapted, adapter)
+    peft_format.load_peft_adapter(adapted, adapter)
     golden = np.load(FIXTURES / family / "peft_golden.npz")
     logits = np.asarray(models.forward(adapted, golden["input_ids"]))
     np.testing.assert_allclose(logits, golden["logits"], atol=TOL, rtol=0)
     base_logits = np.load(FIXTURES / family / "golden.npz")["logits"]
     assert np.abs(logits - base_logits).max() > 100 * TOL  # the adapter does something
 
-    out = lora_lib.save_peft_adapter(
+    out = peft_format.save_peft_adapter(
         adapted, tmp_path / "adapter", info, base_model_name=f"posttrain-fixtures/tiny-{family}"
     )
     committed, exported = (
@@ -160,7 +160,7 @@ def test_peft_golden(family, base, tmp_path):
 def test_adapter_uses_peft_names_and_shapes(family, base, tmp_path):
     model, info = base(family)
     adapted = lora_lib.apply_lora(model, RANK, ALPHA)
-    out = lora_lib.save_peft_adapter(adapted, tmp_path, info, base_model_name="org/base")
+    out = peft_format.save_peft_adapter(adapted, tmp_path, info, base_model_name="org/base")
     tensors = load_file(out / "adapter_model.safetensors")
     d, f = info.hidden_size, info.intermediate_size
     n, k, h = info.num_heads, info.num_kv_heads, info.head_dim
@@ -201,7 +201,7 @@ def test_adapter_uses_peft_names_and_shapes(family, base, tmp_path):
 def test_partial_targets_export_a_regex_that_peft_full_matches(base, tmp_path):
     model, info = base("qwen2")
     adapted = lora_lib.apply_lora(model, RANK, ALPHA, r"layers/0/attn/(q_proj|v_proj)")
-    out = lora_lib.save_peft_adapter(adapted, tmp_path, info)
+    out = peft_format.save_peft_adapter(adapted, tmp_path, info)
     target = json.loads((out / "adapter_config.json").read_text())["target_modules"]
     assert isinstance(target, str)
     names = [
@@ -218,7 +218,7 @@ def test_merged_export_equals_lora_model(family, base, tmp_path):
     """save_hf merges (alpha / r) * B @ A into the weights: same logits as the adapter."""
     model, info = base(family)
     adapted = lora_lib.apply_lora(model, RANK, ALPHA)
-    lora_lib.load_peft_adapter(adapted, FIXTURES / family / "peft_adapter")
+    peft_format.load_peft_adapter(adapted, FIXTURES / family / "peft_adapter")
     merged, _ = models.load_model(save_hf(adapted, tmp_path / "merged", info))
     golden = np.load(FIXTURES / family / "peft_golden.npz")
     logits = np.asarray(models.forward(merged, golden["input_ids"]))
@@ -229,12 +229,12 @@ def test_restore_refuses_mismatched_adapters(base):
     model, _ = base("llama3")
     adapter = FIXTURES / "llama3" / "peft_adapter"
     with pytest.raises(ValueError, match=r"spec\.lora\.restoreFrom.*r=4.*rank=8"):
-        lora_lib.load_peft_adapter(lora_lib.apply_lora(model, 8, ALPHA), adapter)
+        peft_format.load_peft_adapter(lora_lib.apply_lora(model, 8, ALPHA), adapter)
     with pytest.raises(ValueError, match=r"spec\.lora\.restoreFrom.*does not\s+target"):
-        lora_lib.load_peft_adapter(lora_lib.apply_lora(model, RANK, ALPHA, ["q_proj"]), adapter)
+        peft_format.load_peft_adapter(lora_lib.apply_lora(model, RANK, ALPHA, ["q_proj"]), adapter)
     with pytest.raises(FileNotFoundError, match=r"spec\.lora\.restoreFrom.*lacks"):
-        lora_lib.load_peft_adapter(
+        peft_format.load_peft_adapter(
             lora_lib.apply_lora(model, RANK, ALPHA, "all-linear"), FIXTURES / "llama3"
         )
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        lora_lib.load_peft_adapter(model, adapter)
+        peft_format.load_peft_adapter(model, adapter)

@@ -263,7 +263,7 @@ _TWO_PROCESSES = textwrap.dedent(
     port, pid, fixtures, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     from jax.experimental import multihost_utils
-    from posttrain.trainer import lora as lora_lib, models
+    from posttrain.trainer import lora as lora_lib, models, peft_format
     from posttrain.trainer.models.saving import save_hf
 
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
@@ -301,7 +301,7 @@ _TWO_PROCESSES = textwrap.dedent(
 
     # LoRA on the mesh, restored from the committed PEFT adapter
     lora = lora_lib.apply_lora(model, 4, 8.0, mesh=mesh)
-    lora_lib.load_peft_adapter(lora, f"{fixtures}/qwen2/peft_adapter")
+    peft_format.load_peft_adapter(lora, f"{fixtures}/qwen2/peft_adapter")
     b = lora.layers[0].mlp.gate_proj.kernel_lora_b.get_value()
     result["lora"] = {
         "diff": logits_diff(lora, mesh, f"{fixtures}/qwen2/peft_golden.npz"),

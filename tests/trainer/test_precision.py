@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tiny_job import run_job, tiny_job, validated
 from tiny_model import make_tiny_llama
 
-from posttrain.trainer import lora, models, optim, sft
+from posttrain.trainer import models, optim, peft_format, sft
 from posttrain.trainer.models.saving import save_hf
 from posttrain.trainer.policy import load_policy
 
@@ -218,12 +218,12 @@ def test_adapter_exports_from_a_bfloat16_base(lora_bf16, tmp_path):
     adapters (spec.lora.restoreFrom). Merged model: the base's bfloat16, the delta added
     in float32."""
     model, info = lora_bf16.model, lora_bf16.policy.info
-    adapter = lora.save_peft_adapter(model, tmp_path / "adapter", info)
+    adapter = peft_format.save_peft_adapter(model, tmp_path / "adapter", info)
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="numpy") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {np.dtype(np.float32)}  # noqa: SIM118
 
     fresh = Trainer(make_spec(info.model_dir, tmp_path / "fresh")).model
-    lora.load_peft_adapter(fresh, adapter, info)
+    peft_format.load_peft_adapter(fresh, adapter, info)
     restored = dict(nnx.to_flat_state(nnx.state(fresh, nnx.LoRAParam)))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         value = restored[path].get_value()

@@ -69,7 +69,7 @@ def test_example_raises_held_out_answer_accuracy(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
     from posttrain.api.spec import PostTrainJob
-    from posttrain.trainer import lora, models
+    from posttrain.trainer import lora, models, peft_format
 
     monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository
     doc = yaml.safe_load(EXAMPLE.read_text())
@@ -83,7 +83,7 @@ def test_example_raises_held_out_answer_accuracy(tmp_path, monkeypatch):
     result = run_job(doc)
     assert result.step == job.spec.training.steps
     tuned = lora.apply_lora(base, job.spec.lora.rank, job.spec.lora.alpha)
-    lora.load_peft_adapter(tuned, tmp_path / "out" / "hf", info)
+    peft_format.load_peft_adapter(tuned, tmp_path / "out" / "hf", info)
     after = _accuracy(tuned, job, candidates, truth)
     print(f"held-out answer accuracy: {before:.2f} -> {after:.2f} (chance 0.33)")
     assert before < 0.45 and after >= 0.6, (before, after)

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import lora, models, optim, storage
+from posttrain.trainer import models, optim, peft_format, storage
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.models.saving import save_hf
 from posttrain.trainer.policy import load_policy, restore_into, shard_like_params, trainable_state
@@ -114,7 +114,7 @@ def export_model(
         return None
     out = OutputDir(spec.output.uri, name, scratch)
     if kind == "adapter":
-        lora.save_peft_adapter(
+        peft_format.save_peft_adapter(
             model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
         )
     else:

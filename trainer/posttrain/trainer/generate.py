@@ -22,9 +22,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE
-from posttrain.trainer import data, lora, models, sources, storage
-
-ADAPTER_CONFIG = "adapter_config.json"
+from posttrain.trainer import data, lora, models, peft_format, sources, storage
 
 
 def resolve(target: str) -> str:
@@ -48,7 +46,7 @@ def _base_source(name: str) -> str:
 def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     """The model (with its adapter, for an adapter directory) and its tokenizer."""
     location = sources.local_model_dir(resolve(target), scratch, field="MODEL_OR_JOB")
-    config_path = Path(location) / ADAPTER_CONFIG
+    config_path = Path(location) / peft_format.ADAPTER_CONFIG
     if not config_path.is_file():
         model, _ = models.load_model(location)
         return model, data.load_tokenizer(location)
@@ -61,7 +59,7 @@ def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     model = lora.apply_lora(
         model, int(config["r"]), float(config["lora_alpha"]), config.get("target_modules")
     )
-    lora.load_peft_adapter(model, location)
+    peft_format.load_peft_adapter(model, location)
     has_tokenizer = (Path(location) / "tokenizer.json").is_file()
     return model, data.load_tokenizer(location if has_tokenizer else base_dir)
 

@@ -1,28 +1,20 @@
-"""LoRA for the Tunix models of ``posttrain.trainer.models``: qwix adapters and the PEFT format.
+"""LoRA for the Tunix models of ``posttrain.trainer.models``: qwix adapters.
 
-- ``apply_lora`` adds qwix LoRA adapters (``nnx.LoRAParam``) to the modules a regex or a
-  list of module names selects, and refuses a selection that adapts nothing or not what
-  it names (errors name ``spec.lora.targetModules``).
-- ``save_peft_adapter`` / ``load_peft_adapter`` write and read the Hugging Face ``peft``
-  format (``adapter_model.safetensors`` + ``adapter_config.json``).
+``apply_lora`` adds qwix LoRA adapters (``nnx.LoRAParam``) to the modules a regex or a
+list of module names selects, and refuses a selection that adapts nothing or not what it
+names (errors name ``spec.lora.targetModules``). The Hugging Face ``peft`` format of
+those adapters is ``posttrain.trainer.peft_format``'s.
 
 qwix computes ``y = x W + (alpha / rank) * (x A) B``, the same scaling as ``peft``'s
-``lora_alpha / r`` (no rsLoRA). For a Tunix weight, qwix's ``A`` holds the contracted
-axes (HF ``in_features``, row-major) and ``B`` the others (HF ``out_features``), so
-``lora_A.weight = A.reshape(-1, r).T`` and ``lora_B.weight = B.reshape(r, -1).T``. Gemma's
-fused ``kv_einsum`` (and ``qkv_einsum``) has one ``A`` for k and v: it exports as
-``k_proj`` and ``v_proj`` with equal ``lora_A``.
+``lora_alpha / r`` (no rsLoRA).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import re
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from safetensors import safe_open
 from tunix.models.gemma import model as gemma2_lib
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
@@ -42,10 +33,6 @@ from posttrain.api.patterns import compile_user_regex
 from posttrain.trainer import models
 
 TARGET_FIELD = "spec.lora.targetModules"
-RESTORE_FIELD = "spec.lora.restoreFrom"
-PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 _TUNIX_NAMES = lora_modules.TUNIX_NAMES
 _HF_TO_TUNIX = lora_modules.HF_TO_TUNIX
@@ -94,7 +81,7 @@ def default_lora_targets(family: str) -> str:
     return r"layers/\d+/(attn/(q_proj|k_proj|v_proj|o_proj)|mlp/(gate_proj|up_proj|down_proj))"
 
 
-def _module_path(path: Sequence[Any]) -> str:
+def module_path(path: Sequence[Any]) -> str:
     return "/".join(str(p) for p in path)
 
 
@@ -105,9 +92,9 @@ def adaptable_modules(model: nnx.Module) -> dict[str, str]:
         nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()
     ):
         if isinstance(module, nnx.Linear):
-            out[_module_path(path)] = "kernel"
+            out[module_path(path)] = "kernel"
         elif hasattr(module, "einsum_str") and isinstance(getattr(module, "w", None), nnx.Param):
-            out[_module_path(path)] = "w"
+            out[module_path(path)] = "w"
     return out
 
 
@@ -165,7 +152,7 @@ def resolve_targets(
 def lora_module_paths(model: nnx.Module) -> list[str]:
     """Sorted paths (``layers/0/attn/q_proj``) of the modules that carry LoRA params."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
-    return sorted({_module_path(path[:-1]) for path, _ in flat})
+    return sorted({module_path(path[:-1]) for path, _ in flat})
 
 
 def apply_lora(
@@ -191,7 +178,7 @@ def apply_lora(
     regex = resolve_targets(family, target_regex, list(adaptable))
     expected = {p for p in adaptable if re.fullmatch(regex, p)}
     if not expected:
-        examples = sorted(adaptable, key=_natural)[:4]
+        examples = sorted(adaptable, key=natural_order)[:4]
         raise ValueError(
             f"{TARGET_FIELD}: {target_regex!r} selects no adaptable module of this {family} "
             f"model (regex {regex!r}, full match against paths such as {', '.join(examples)}); "
@@ -231,7 +218,10 @@ def apply_lora(
     lora_model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     got = set(lora_module_paths(lora_model))
     if got != expected:
-        missing, extra = sorted(expected - got, key=_natural), sorted(got - expected, key=_natural)
+        missing, extra = (
+            sorted(expected - got, key=natural_order),
+            sorted(got - expected, key=natural_order),
+        )
         raise ValueError(
             f"{TARGET_FIELD}: {target_regex!r} adapted {len(got)} of the {len(expected)} "
             f"modules it selects (not adapted: {missing[:5]}, unexpected: {extra[:5]})"
@@ -283,7 +273,8 @@ def _init_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh) -> j
     return jax.make_array_from_callback(shape, sharding, lambda idx: value[idx])
 
 
-def _natural(path: str) -> list:
+def natural_order(path: str) -> list:
+    """Sort key of a module path with its layer numbers in numeric order."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
 
 
@@ -294,244 +285,3 @@ def settings_of(model: nnx.Module) -> LoraSettings:
             raise ValueError("the model has no LoRA adapters (apply_lora first)")
         raise ValueError("the model's LoRA was not made by posttrain's apply_lora (alpha unknown)")
     return settings
-
-
-def info_from_model(model: nnx.Module, hf_prefix: str = "model.") -> models.ModelInfo:
-    """Enough of a ModelInfo to map a Tunix model's params to HF names."""
-    family = family_of(model)
-    cfg = model.config
-    gemma = family.startswith("gemma")
-    tie = (
-        True
-        if gemma
-        else bool(getattr(cfg, "weight_tying", getattr(cfg, "use_tied_embedding", False)))
-    )
-    return models.ModelInfo(
-        family=family,
-        model_dir="",
-        hf_config={},
-        config=cfg,
-        dtype=None,
-        num_layers=cfg.num_layers,
-        vocab_size=cfg.num_embed if gemma else cfg.vocab_size,
-        hidden_size=cfg.embed_dim,
-        intermediate_size=cfg.hidden_dim,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        tie_word_embeddings=tie,
-        hf_prefix=hf_prefix,
-    )
-
-
-def _lora_params(model: nnx.Module) -> dict[tuple, nnx.Variable]:
-    return dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
-
-
-def _adapted_maps(model: nnx.Module, info: models.ModelInfo):
-    """(ParamMap, lora_a var, lora_b var) for every adapted weight; all LoRA params used."""
-    params = _lora_params(model)
-    used: set[tuple] = set()
-    out = []
-    for m in models.param_maps(info):
-        module, weight = m.path[:-1], m.path[-1]
-        a_key, b_key = (*module, f"{weight}_lora_a"), (*module, f"{weight}_lora_b")
-        if a_key in params and b_key in params:
-            out.append((m, params[a_key], params[b_key]))
-            used |= {a_key, b_key}
-    left = sorted(set(params) - used, key=str)
-    if left:
-        raise ValueError(
-            f"{TARGET_FIELD}: LoRA params {[_module_path(p) for p in left[:5]]} have no "
-            "Hugging Face counterpart and cannot be exported"
-        )
-    return out
-
-
-def _peft_naming(info: models.ModelInfo) -> models.ModelInfo:
-    """``info`` naming modules as PEFT finds them on the transformers model: a model with
-    Gemma 3's vision tower is a ``Gemma3ForConditionalGeneration``, whose decoder is
-    ``model.language_model`` whatever layout its checkpoint was saved in."""
-    if getattr(info, "vision", None) is None:
-        return info
-    return dataclasses.replace(info, hf_prefix="model.language_model.")
-
-
-def _hf_module(source: str) -> str:
-    return source.removesuffix(".weight")
-
-
-def peft_tensors(
-    model: nnx.Module, info: models.ModelInfo | None = None
-) -> dict[str, Callable[[], np.ndarray]]:
-    """PEFT key -> producer of the ``lora_A`` ([r, in]) / ``lora_B`` ([out, r]) tensor."""
-    info = _peft_naming(info or info_from_model(model))
-    out: dict[str, Callable[[], np.ndarray]] = {}
-    for m, a_var, b_var in _adapted_maps(model, info):
-        n = len(m.sources)
-
-        def a_hf(a_var=a_var):
-            a = models.host_array(a_var.get_value())
-            return np.ascontiguousarray(a.reshape(-1, a.shape[-1]).T)
-
-        for i, src in enumerate(m.sources):
-
-            def b_hf(b_var=b_var, i=i, n=n):
-                b = models.host_array(b_var.get_value())
-                if n > 1:
-                    b = b[:, i]
-                return np.ascontiguousarray(b.reshape(b.shape[0], -1).T)
-
-            key = PEFT_PREFIX + _hf_module(src)
-            out[f"{key}.lora_A.weight"] = a_hf
-            out[f"{key}.lora_B.weight"] = b_hf
-    return out
-
-
-def merged_deltas(model: nnx.Module, info: models.ModelInfo) -> dict[str, Callable[[], np.ndarray]]:
-    """HF weight name -> producer of ``(alpha / r) * lora_B @ lora_A`` (float32)."""
-    if not _lora_params(model):
-        return {}
-    scale = settings_of(model).scale
-    tensors = peft_tensors(model, info)
-    out = {}
-    for key in tensors:
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
-
-        def delta(key=key, module=module):
-            a = tensors[key]().astype(np.float32)
-            b = tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"]().astype(np.float32)
-            return scale * (b @ a)
-
-        out[f"{module}.weight"] = delta
-    return out
-
-
-def _target_modules(adapted: set[str], info: models.ModelInfo) -> list[str] | str:
-    """PEFT ``target_modules``: short names when they select exactly the adapted modules,
-    else a full-match regex over the module names."""
-    every = {
-        _hf_module(s) for m in models.param_maps(info) for s in m.sources if s.endswith(".weight")
-    }
-    short = sorted({m.rsplit(".", 1)[-1] for m in adapted})
-    if {m for m in every if m.rsplit(".", 1)[-1] in short} == adapted:
-        return short
-    return "^(" + "|".join(re.escape(m) for m in sorted(adapted, key=_natural)) + ")$"
-
-
-def save_peft_adapter(
-    model: nnx.Module,
-    out_dir: str | os.PathLike,
-    info: models.ModelInfo | None = None,
-    base_model_name: str = "",
-) -> Path:
-    """Writes the model's LoRA as a PEFT adapter (``adapter_model.safetensors`` +
-    ``adapter_config.json``) that ``peft.PeftModel.from_pretrained`` loads onto the HF
-    base model. Only process 0 writes; every process must call it."""
-    info = _peft_naming(info or info_from_model(model))
-    settings = settings_of(model)
-    tensors = peft_tensors(model, info)
-    values = {k: produce() for k, produce in sorted(tensors.items())}  # gathers on all hosts
-    out = Path(out_dir)
-    if jax.process_index() != 0:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    models.write_safetensors(
-        out / ADAPTER_WEIGHTS,
-        [(k, v.shape, v.dtype, lambda v=v: v) for k, v in values.items()],
-    )
-    adapted = {
-        k[len(PEFT_PREFIX) : -len(".lora_A.weight")] for k in values if k.endswith(".lora_A.weight")
-    }
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": settings.rank,
-        "lora_alpha": settings.alpha,
-        "target_modules": _target_modules(adapted, info),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "base_model_name_or_path": base_model_name or info.model_dir or None,
-        "inference_mode": True,
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "revision": None,
-    }
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def load_peft_adapter(
-    model: nnx.Module, adapter_dir: str | os.PathLike, info: models.ModelInfo | None = None
-) -> nnx.Module:
-    """Loads a PEFT LoRA adapter into a model that ``apply_lora`` gave the same targets,
-    rank and alpha (for ``spec.lora.restoreFrom``); updates ``model`` in place and returns
-    it. Every adapter tensor must land on a LoRA param of the model and vice versa."""
-    adapter_dir = Path(adapter_dir)
-    cfg_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
-    if not cfg_path.is_file() or not weights_path.is_file():
-        raise FileNotFoundError(
-            f"{RESTORE_FIELD}: {adapter_dir} lacks {ADAPTER_CONFIG} or {ADAPTER_WEIGHTS}"
-        )
-    cfg = json.loads(cfg_path.read_text())
-    settings = settings_of(model)
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise ValueError(
-            f"{RESTORE_FIELD}: only plain LoRA adapters can be restored (got {cfg_path})"
-        )
-    if int(cfg["r"]) != settings.rank or float(cfg["lora_alpha"]) != settings.alpha:
-        raise ValueError(
-            f"{RESTORE_FIELD}: adapter has r={cfg['r']}, lora_alpha={cfg['lora_alpha']}; "
-            f"spec.lora has rank={settings.rank}, alpha={settings.alpha}"
-        )
-    info = _peft_naming(info or info_from_model(model))
-    with safe_open(str(weights_path), framework="numpy") as f:
-        tensors = {re.sub(r"\.default(?=\.weight$)", "", k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    used: set[str] = set()
-    updates = []
-    for m, a_var, b_var in _adapted_maps(model, info):
-        keys = [PEFT_PREFIX + _hf_module(s) for s in m.sources]
-        absent = [f"{k}.lora_A.weight" for k in keys if f"{k}.lora_A.weight" not in tensors]
-        absent += [f"{k}.lora_B.weight" for k in keys if f"{k}.lora_B.weight" not in tensors]
-        if absent:
-            raise ValueError(
-                f"{RESTORE_FIELD}: adapter lacks {absent[:4]} that the model's LoRA has"
-            )
-        a_list = [tensors[f"{k}.lora_A.weight"] for k in keys]
-        if any(not np.array_equal(a_list[0], a) for a in a_list[1:]):
-            raise ValueError(
-                f"{RESTORE_FIELD}: {', '.join(keys)} are one fused projection here and need "
-                "equal lora_A weights"
-            )
-        a_shape, b_shape = a_var.shape, b_var.shape
-        a = a_list[0].T.reshape(a_shape)
-        bs = [tensors[f"{k}.lora_B.weight"].T for k in keys]
-        b = (
-            np.stack([x.reshape((b_shape[0], *b_shape[2:])) for x in bs], axis=1)
-            if len(keys) > 1
-            else bs[0].reshape(b_shape)
-        )
-        used |= {f"{k}.lora_{x}.weight" for k in keys for x in "AB"}
-        updates += [(a_var, a), (b_var, b)]
-    extra = sorted(set(tensors) - used)
-    if extra:
-        raise ValueError(
-            f"{RESTORE_FIELD}: adapter has tensors for modules this model's LoRA does not "
-            f"target ({extra[:4]}); set spec.lora.targetModules to match the adapter"
-        )
-    for var, value in updates:
-        old = var.get_value()
-        value = value.astype(old.dtype)
-        var.set_value(
-            jax.make_array_from_callback(old.shape, old.sharding, lambda idx, v=value: v[idx])
-        )
-    return model

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.trainer import lora, models, sources
+from posttrain.trainer import lora, models, peft_format, sources
 from posttrain.trainer.models import vision
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -88,6 +88,6 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             adapter = sources.local_model_dir(
                 spec.lora.restore_from, scratch, field="spec.lora.restoreFrom"
             )
-            lora.load_peft_adapter(model, adapter)
+            peft_format.load_peft_adapter(model, adapter)
         wrt = nnx.LoRAParam
     return Policy(model, info, wrt, info.model_dir)

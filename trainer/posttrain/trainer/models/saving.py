@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.trainer import lora as lora_lib
+from posttrain.trainer import peft_format
 from posttrain.trainer.models.config import ModelInfo
 from posttrain.trainer.models.families import HF_ARCH_OUT
 from posttrain.trainer.models.params import param_maps
@@ -72,7 +72,7 @@ def hf_state(
     """
     info = export_layout(info)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    deltas = lora_lib.merged_deltas(model, info)
+    deltas = peft_format.merged_deltas(model, info)
     for m in param_maps(info):
         var = flat[m.path]
         dtype = np.dtype(var.get_value().dtype)
