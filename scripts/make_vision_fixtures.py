@@ -27,10 +27,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from make_hf_fixtures import SEED, TINY_DECODER, randomize
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "trainer" / "fixtures" / "gemma3-vision"
-SEED = 0
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 4, 16
 
 SPECIAL = [
@@ -185,14 +185,7 @@ def hf_model(ids: dict[str, int]):
     import transformers
 
     text = transformers.Gemma3TextConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
+        **{**TINY_DECODER, "vocab_size": 384, "max_position_embeddings": 512},
         query_pre_attn_scalar=16,
         # shorter than the inputs, not shorter than an image's 16 soft tokens (which
         # attend to each other both ways)
@@ -226,22 +219,21 @@ def hf_model(ids: dict[str, int]):
     )
     torch.manual_seed(SEED)
     model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if "vision_tower" in name and "norm" in name:  # LayerNorm: w * x + b
-                p.copy_((1.0 + 0.2 * noise) if name.endswith("weight") else 0.2 * noise)
-            elif name.endswith(("norm.weight", ".bias")):  # Gemma RMSNorm: (1 + w) * x
-                p.copy_(0.2 * noise)
-            elif "embed_tokens" in name or "position_embedding" in name:
-                p.copy_(0.25 * noise)
-            elif name.endswith("mm_input_projection_weight"):  # [vision, text]
-                p.copy_(noise / p.shape[0] ** 0.5)
-            elif "patch_embedding" in name:  # [out, in, kh, kw]
-                p.copy_(noise / (p[0].numel()) ** 0.5)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
+
+    def init(name, p, noise):
+        if "vision_tower" in name and "norm" in name:  # LayerNorm: w * x + b
+            return (1.0 + 0.2 * noise) if name.endswith("weight") else 0.2 * noise
+        if name.endswith(("norm.weight", ".bias")):  # Gemma RMSNorm: (1 + w) * x
+            return 0.2 * noise
+        if "embed_tokens" in name or "position_embedding" in name:
+            return 0.25 * noise
+        if name.endswith("mm_input_projection_weight"):  # [vision, text]
+            return noise / p.shape[0] ** 0.5
+        if "patch_embedding" in name:  # [out, in, kh, kw]
+            return noise / (p[0].numel()) ** 0.5
+        return noise / p.shape[-1] ** 0.5
+
+    randomize(model, init)
     model.config._attn_implementation = "eager"
     return model.eval()
 
