@@ -16,10 +16,13 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   (about two float32 vectors per matrix). Gradients: float32, a second copy (the
   accumulator) with gradientAccumulation above 1; over several fsdp devices, the whole
   float32 gradient of the gathered embedding and layer before it is reduce-scattered.
-- activations: the trainer does not rematerialise (Tunix RematConfig.NONE) and its
-  attention is dense, so backward keeps, per decoder layer and micro-batch row, the
-  projections' inputs and outputs (and float32 copies of some) and the [heads, L, L]
-  attention scores and probabilities (float32, and their cast to the compute dtype).
+- activations: per spec.training.remat (auto: layer on accelerators). Without
+  rematerialisation (none) the trainer's dense attention keeps, per decoder layer and
+  micro-batch row, the projections' inputs and outputs (and float32 copies of some) and
+  the [heads, L, L] attention scores and probabilities (float32, and their cast to the
+  compute dtype). With layer (or block) it keeps per layer the layer's input and, as
+  XLA's CPU compiles show, one float32 [heads, L, L] copy, and recomputes the rest one
+  layer at a time in backward.
 - logits: [rows, L, vocab] in the compute dtype and their float32 cast; over the tokens
   the loss scores (every token for SFT, the completion for DPO and GRPO) the float32
   gradient, and for DPO and GRPO the log-softmax too (SFT's loss is logsumexp minus the
@@ -38,10 +41,9 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
 the trainer's steps: tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA),
 DPO and GRPO steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
-`memory_analysis()`. A compiler may rematerialise activations to fit, but never the
-weights, optimizer state and gradients. So a job is refused when what it holds beyond
-activations and logits exceeds memory, and admitted with a warning naming the numbers
-when the total is above WARN_ABOVE of it.
+`memory_analysis()`. So a job whose total is more than that band (BAND) above memory is
+refused; one whose total is within BAND of memory (above 1 - BAND of it) is admitted
+with a warning naming the numbers.
 """
 
 from __future__ import annotations
@@ -55,7 +57,17 @@ from posttrain.api.spec import LoraSpec, PostTrainJobSpec
 from posttrain.catalog import Placement
 
 GIB = 1024**3
-WARN_ABOVE = 0.8  # total / memory above which a job is admitted with a warning
+BAND = 0.25  # the estimate's uncertainty: within this of XLA's figure (test_capacity_xla.py)
+REFUSE_ABOVE = 1 + BAND  # total / memory above which a job is refused
+WARN_ABOVE = 1 - BAND  # total / memory above which a job is admitted with a warning
+# Rematerialised (spec.training.remat): what XLA keeps per layer, per token in units of
+# (w + 2) x hidden bytes (layer: its input; block: its attention's and MLP's inputs, not
+# checked against XLA) and per [heads, L, L] attention element (one float32 copy), and
+# the share of one layer's working set (test_capacity_xla.py, SFT, 2 and 4 layers).
+SAVED_PER_LAYER = 2.0
+SAVED_PER_BLOCK = 4.0
+SAVED_PER_SCORE = 4.0
+REMAT_WORKING_SET = 0.1
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
 TERMS = (
@@ -119,22 +131,18 @@ class MemoryEstimate:
     terms: dict[str, float] = field(default_factory=dict)  # GiB per device, by TERMS
     available_gib: float = 0.0
     accelerator: str = ""
+    remat: str = "none"  # spec.training.remat as the trainer applies it
 
     @property
     def total_gib(self) -> float:
         return sum(self.terms.values())
 
     @property
-    def held_gib(self) -> float:
-        """What no rematerialisation can free: every term but activations and logits."""
-        return self.total_gib - self.terms["activations"] - self.terms["logits"]
-
-    @property
     def verdict(self) -> str:
-        """'over' (refused): what it holds beyond activations and logits alone exceeds
-        memory; 'tight' (admitted with a warning): the total is above WARN_ABOVE of
-        memory; 'fits' otherwise."""
-        if self.held_gib > self.available_gib:
+        """'over' (refused): the total is more than BAND above memory, so even an estimate
+        BAND too high leaves the job out of memory; 'tight' (admitted with a warning): the
+        total is within BAND of memory; 'fits' otherwise."""
+        if self.total_gib > REFUSE_ABOVE * self.available_gib:
             return "over"
         return "tight" if self.total_gib > WARN_ABOVE * self.available_gib else "fits"
 
@@ -154,7 +162,8 @@ class MemoryEstimate:
         return (
             f"about {self.total_gib:.1f} GiB per device ({parts} GiB) for "
             f"{self.shape.params / 1e9:.2f}B parameters over {self.layout.devices} devices, "
-            f"{self.rows:g} rows x {self.length} tokens per device, but a {self.accelerator} "
+            f"{self.rows:g} rows x {self.length} tokens per device, remat {self.remat}, "
+            f"but a {self.accelerator} "
             f"device has {self.available_gib:g} GiB ({self.origin})"
         )
 
@@ -165,7 +174,8 @@ class MemoryEstimate:
             f"{self.source}: {self.shape.params / 1e9:.2f}B parameters, {self.shape.layers} "
             f"layers, vocabulary {self.shape.vocab} ({self.origin})",
             f"{lay.devices} {self.accelerator} devices: {lay.slices} x {lay.per_slice} "
-            f"(dp x fsdp); {self.rows:g} rows x {self.length} tokens per device per micro-batch",
+            f"(dp x fsdp); {self.rows:g} rows x {self.length} tokens per device per micro-batch, "
+            f"remat {self.remat}",
             "per device:",
         ]
         lines += [f"  {name:<18}{self.terms.get(name, 0.0):8.2f} GiB" for name in TERMS]
@@ -174,6 +184,12 @@ class MemoryEstimate:
             f"({self.total_gib / self.available_gib:.0%})"
         )
         return "\n".join(lines)
+
+
+def remat_of(spec: PostTrainJobSpec) -> str:
+    """spec.training.remat as the trainer applies it on an accelerator (auto: layer)."""
+    remat = str(spec.training.remat)
+    return "layer" if remat == "auto" else remat
 
 
 def shape_of(spec: PostTrainJobSpec) -> ModelShape | None:
@@ -220,7 +236,18 @@ def estimate(
     # logit: XLA's figures for the trainer's SFT step (tests/trainer/test_capacity_xla.py).
     per_token = (w + 2) * (7 * d + 5 * q + 3.5 * kv + 2.7 * f)
     per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + 2 * w)
-    activations = shape.layers * per_layer + tokens * (w + 2) * 10 * d
+    remat = remat_of(spec)
+    if remat == "none":
+        activations = shape.layers * per_layer
+    else:
+        # Backward recomputes a layer (layer), or its attention and its MLP (block), from
+        # what the forward kept: per layer the layer's inputs and what XLA keeps beside
+        # them (XLA's figures for SFT, tests/trainer/test_capacity_xla.py), plus one
+        # layer's whole working set while it is recomputed.
+        kept = tokens * (w + 2) * d * (SAVED_PER_LAYER if remat == "layer" else SAVED_PER_BLOCK)
+        kept += rows * shape.heads * length * length * SAVED_PER_SCORE
+        activations = shape.layers * kept + REMAT_WORKING_SET * per_layer
+    activations += tokens * (w + 2) * 10 * d
     # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32
     # gradient, the log-softmax of DPO's and GRPO's log-probs is kept as well; LoRA keeps
     # fewer float32 copies, its gradient not reaching the embedding (XLA's figures).
@@ -274,6 +301,7 @@ def estimate(
         {k: v / GIB for k, v in terms.items()},
         float(placement.memory_gib_per_device),
         placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
+        remat,
     )
 
 
@@ -337,10 +365,10 @@ def warning(spec: PostTrainJobSpec, placement: Placement) -> str | None:
             "by name); run posttrain estimate on a local copy"
         )
     if est.verdict == "tight":
-        how = "may not fit" if est.total_gib <= est.available_gib else "runs out of memory"
+        how = "may not fit" if est.total_gib <= est.available_gib else "may run out of memory"
         return (
-            f"spec.resources.accelerator: the job {how} unless XLA rematerialises "
-            f"activations: {est.explain()}; the trainer keeps every layer's activations "
-            "(no rematerialisation)"
+            f"spec.resources.accelerator: the job {how}: {est.explain()}; the estimate is "
+            f"within {BAND:.0%} of XLA's, so the job is admitted (refused above "
+            f"{REFUSE_ABOVE * est.available_gib:.1f} GiB)"
         )
     return None
