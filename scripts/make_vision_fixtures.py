@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from make_hf_fixtures import SEED, TINY_DECODER, randomize
+from make_hf_fixtures import FAMILIES, SEED, TINY_DECODER, randomize
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "trainer" / "fixtures" / "gemma3-vision"
@@ -184,17 +184,16 @@ def hf_model(ids: dict[str, int]):
     import torch
     import transformers
 
-    text = transformers.Gemma3TextConfig(
-        **{**TINY_DECODER, "vocab_size": 384, "max_position_embeddings": 512},
-        query_pre_attn_scalar=16,
+    decoder = {**TINY_DECODER, **FAMILIES["gemma3"][1]}  # the gemma3 fixture's, larger:
+    decoder.update(
+        vocab_size=384,
+        max_position_embeddings=512,
         # shorter than the inputs, not shorter than an image's 16 soft tokens (which
         # attend to each other both ways)
         sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters=dict(
-            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
-            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
-        ),
+    )
+    text = transformers.Gemma3TextConfig(
+        **decoder,
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"],
