@@ -179,13 +179,7 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
             describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
         )
         # Kueue's own word on why (zero quota), in plain `kubectl get ptj`.
-        row = wait_for(
-            lambda: (
-                (r := get_row(cluster, namespace, "queued")) and "insufficient quota" in r and r
-            ),
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "workloads"),
-        )
+        row = wait_row(cluster, namespace, "queued", "insufficient quota", kinds="workloads")
         # ... and its place in the queue, from Kueue's visibility API.
         assert "Queued" in row and "Kueue queue 'tpu', position 1: couldn't assign" in row, row
         assert "google.com/tpu" in row, row
@@ -221,16 +215,29 @@ def get_row(cluster: Cluster, namespace: str, name: str) -> str:
     return row
 
 
+def wait_row(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    *texts: str,
+    timeout: int = 60,
+    kinds: str = "jobsets,jobs,pods,events",
+) -> str:
+    """Waits until the job's `kubectl get ptj` row holds every one of `texts`; returns the
+    row. A timeout's message carries `kubectl get <kinds>` of the namespace."""
+    return wait_for(
+        lambda: (r := get_row(cluster, namespace, name)) and all(t in r for t in texts) and r,
+        timeout=timeout,
+        describe=lambda: cluster.describe(namespace, kinds),
+    )
+
+
 def test_accelerator_without_nodes_says_why(cluster: Cluster, namespace: str, operator):
     doc = valid_job("nowhere")
     doc["spec"]["image"] = "posttrain-trainer:slow"
     doc["spec"]["resources"] = {"accelerator": "v5p-16"}  # no v5p nodes in this cluster
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
-    row = wait_for(
-        lambda: (r := get_row(cluster, namespace, "nowhere")) and "nodes are available" in r and r,
-        timeout=60,
-        describe=lambda: cluster.describe(namespace),
-    )
+    row = wait_row(cluster, namespace, "nowhere", "nodes are available")
     fields = row.split()
     assert fields[4] == "Pending", row
     assert "didn't match Pod's node affinity/selector" in row and "preemption" not in row, row
@@ -250,15 +257,13 @@ def test_accelerator_without_nodes_says_why(cluster: Cluster, namespace: str, op
 
 def test_missing_local_queue_says_so(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "orphan", "posttrain-trainer:slow", queue="no-such-queue")
-    row = wait_for(
-        lambda: (
-            (r := get_row(cluster, namespace, "orphan"))
-            and "no-such-queue" in r
-            and "exist" in r
-            and r
-        ),
-        timeout=60,
-        describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+    row = wait_row(
+        cluster,
+        namespace,
+        "orphan",
+        "no-such-queue",
+        "exist",
+        kinds="jobsets,workloads,pods,events",
     )
     assert row.split()[4] == "Queued", row
     assert "LocalQueue no-such-queue doesn't exist" in row, row
@@ -333,10 +338,13 @@ def test_missing_priority_class_says_so(cluster: Cluster, namespace: str, operat
             cluster, namespace, "classless", "posttrain-trainer:slow",
             queue="tpu", workloadPriorityClass="no-such-class",
         )  # fmt: skip
-        row = wait_for(
-            lambda: (r := get_row(cluster, namespace, "classless")) and "not found" in r and r,
+        row = wait_row(
+            cluster,
+            namespace,
+            "classless",
+            "not found",
             timeout=30,
-            describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+            kinds="jobsets,workloads,pods,events",
         )
         assert row.split()[4] == "Queued", row
         assert (
@@ -361,11 +369,7 @@ def test_image_that_cannot_be_pulled_is_named(cluster: Cluster, namespace: str, 
     and the pull's error, and stays still while the kubelet alternates."""
     tpu_job(cluster, namespace, "nopull", "posttrain-trainer:no-such-tag")
     try:
-        row = wait_for(
-            lambda: (r := get_row(cluster, namespace, "nopull")) and "cannot pull" in r and r,
-            timeout=60,
-            describe=lambda: cluster.describe(namespace),
-        )
+        row = wait_row(cluster, namespace, "nopull", "cannot pull")
         assert row.split()[4] == "Pending", row
         assert "container trainer of pod nopull-slice-0-" in row, row
         assert (
@@ -410,10 +414,8 @@ def test_inactive_cluster_queue_says_why(cluster: Cluster, namespace: str, opera
     cluster.apply(objects)
     try:
         tpu_job(cluster, namespace, "stuck", "posttrain-trainer:slow", queue="tpu")
-        row = wait_for(
-            lambda: (r := get_row(cluster, namespace, "stuck")) and "missing" in r and r,
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
+        row = wait_row(
+            cluster, namespace, "stuck", "missing", kinds="jobsets,workloads,pods,events"
         )
         assert row.split()[4] == "Queued", row
         assert (
@@ -516,20 +518,16 @@ def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, opera
         for name in ("first", "second"):
             tpu_job(cluster, namespace, name, "posttrain-trainer:slow", queue="tpu")
             time.sleep(1)  # Kueue orders equal priorities by creation time (seconds)
-        first = wait_for(
-            lambda: (r := get_row(cluster, namespace, "first")) and "position 1:" in r and r,
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads"),
+        first = wait_row(
+            cluster, namespace, "first", "position 1:", kinds="posttrainjobs,workloads"
         )
         assert first.split()[4] == "Queued", first
         assert "Kueue queue 'tpu', position 1: couldn't assign flavors" in first, first
         assert "insufficient quota for google.com/tpu" in first, first
         # Kueue tries only the head of the queue: the second job has no word from Kueue
         # but its place.
-        second = wait_for(
-            lambda: (r := get_row(cluster, namespace, "second")) and "position 2" in r and r,
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads"),
+        second = wait_row(
+            cluster, namespace, "second", "position 2", kinds="posttrainjobs,workloads"
         )
         assert second.split()[4] == "Queued", second
         assert second.endswith("Kueue queue 'tpu', position 2"), second
