@@ -4,6 +4,8 @@ that compile the same way load instead of compiling again."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -28,3 +30,11 @@ def compilation_cache(tmp_path_factory):
     for name, value in before.items():
         jax.config.update(name, value)
     cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (tiny_model.make_tiny_llama), made once per module."""
+    from tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")

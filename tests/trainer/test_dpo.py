@@ -13,18 +13,12 @@ import pytest
 from safetensors.numpy import load_file
 from tb_events import scalars
 from tiny_job import assert_bitwise_equal, run_job, tiny_job
-from tiny_model import make_tiny_llama
 
 from posttrain.trainer import dpo
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "preferences-dpo.jsonl"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import yaml
 from safetensors.numpy import load
 from tb_events import scalars, texts
 from tiny_job import assert_bitwise_equal, run_job, tiny_job
-from tiny_model import make_tiny_llama
 
 from posttrain.api.validate import validate
 from posttrain.trainer import data, models, storage
@@ -34,11 +33,6 @@ from tests.trainer.data_helpers import gcs_bucket
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def job_doc(

@@ -21,7 +21,6 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 from tiny_job import run_job, tiny_job, validated
-from tiny_model import make_tiny_llama
 
 from posttrain.trainer import models, optim, peft_format, sft
 from posttrain.trainer.models.saving import save_hf
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def make_spec(model_dir: Path, out: Path, *, dtype="bfloat16", lora=True, **training):

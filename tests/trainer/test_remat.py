@@ -10,17 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from tiny_job import run_job, tiny_job, validated
-from tiny_model import make_tiny_llama
 
 from posttrain.trainer import models
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def _losses(model_dir: Path, out: Path, remat: str) -> list[float]:
