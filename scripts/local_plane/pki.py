@@ -76,17 +76,7 @@ class CA:
             cert = cert.add_extension(_subject_alt_names(hosts), critical=False)
         cert = (
             cert.add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                _key_usage(ca=True),
                 critical=True,
             )
             .add_extension(
@@ -138,17 +128,7 @@ class CA:
             .not_valid_after(now + _dt.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=True,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                _key_usage(ca=False),
                 critical=True,
             )
             .add_extension(
@@ -167,6 +147,23 @@ class CA:
             builder = builder.add_extension(_subject_alt_names(hosts), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
         return _pem_cert(cert), _pem_key(key)
+
+
+def _key_usage(ca: bool) -> Any:
+    """A CA's key usage (signs certificates and CRLs) or a leaf's (signs, enciphers keys)."""
+    from cryptography import x509
+
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=not ca,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _subject_alt_names(hosts: Sequence[str]) -> Any:
