@@ -4,8 +4,9 @@ with its reference), compiled ahead of time from abstract shapes (``ShapeDtypeSt
 parameters, optimizer state and batch, each with the sharding the trainer gives it) on
 simulated 1-, 4- and 8-device CPU meshes, and ``compiled.memory_analysis()`` per device.
 
-Every compile runs in one child process with 8 CPU devices (XLA_FLAGS must be set before
-jax starts); a 1- or 4-device mesh takes the first devices. Few layers and a small width
+Every compile runs in a child process with 8 CPU devices (XLA_FLAGS must be set before
+jax starts), the rematerialised steps (spec.training.remat: layer) in a second one with
+XLA's memory-minimising CPU scheduler; a 1- or 4-device mesh takes the first devices. Few layers and a small width
 keep compiles short: the matrix varies one thing at a time (technique, LoRA, devices,
 sequence length, vocabulary) rather than taking every combination, and one case doubles
 the layers to show that the per-layer memory (XLA's and the estimate's) grows linearly,
@@ -24,6 +25,7 @@ import pytest
 
 DEVICES = 8
 # technique, lora, devices, layers, vocab, length, batch (SFT rows, DPO pairs, GRPO prompts)
+# [, spec.training.remat (default none)]
 CASES = {
     "sft-1dev": ("sft", False, 1, 2, 1024, 256, 8),
     "sft-1dev-4layers": ("sft", False, 1, 4, 1024, 256, 8),
@@ -31,8 +33,16 @@ CASES = {
     "lora-4dev-long-large-vocab": ("sft", True, 4, 2, 16384, 1024, 8),
     "dpo-8dev": ("dpo", False, 8, 2, 1024, 256, 8),
     "grpo-4dev": ("grpo", False, 4, 2, 4096, 256, 2),
+    # spec.training.remat: layer, long enough that the attention dominates a layer
+    "sft-1dev-remat": ("sft", False, 1, 2, 4096, 1024, 4, "layer"),
+    "sft-1dev-4layers-remat": ("sft", False, 1, 4, 4096, 1024, 4, "layer"),
 }
 GENERATIONS = 4
+# XLA's default CPU scheduler orders for concurrency and so computes a rematerialised
+# layer's recomputation as early as it can (the step then needs what it would without
+# remat), where an accelerator's memory-aware scheduler waits for the backward pass:
+# rematerialised steps are compiled in a second child with the memory-minimising one.
+REMAT_XLA_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _config(layers: int, vocab: int) -> dict:
@@ -46,12 +56,12 @@ def _config(layers: int, vocab: int) -> dict:
 def _spec(case: tuple, model_dir: Path):
     from posttrain.api.spec import PostTrainJobSpec
 
-    technique, lora, _, _, _, length, batch = case
+    technique, lora, _, _, _, length, batch, *rest = case
     spec = {
         "technique": technique,
         "model": {"source": str(model_dir), "dtype": "bfloat16"},
         "data": {"source": "/d.jsonl", "maxLength": length},
-        "training": {"batchSize": batch},
+        "training": {"batchSize": batch, "remat": rest[0] if rest else "none"},
         "output": {"uri": "/out"},
         "resources": {"accelerator": "v6e-8"},
     }
@@ -92,12 +102,14 @@ def _abstract(tree, mesh):
     return jax.tree.map(place, tree, specs, is_leaf=is_spec)
 
 
-def _model(model_dir: str, mesh, dtype, compute):
+def _model(model_dir: str, mesh, dtype, compute, remat: str = "none"):
     from flax import nnx
 
     from posttrain.trainer import models
 
-    info, extras = models.model_info(model_dir, family="qwen3", dtype=dtype, compute_dtype=compute)
+    info, extras = models.model_info(
+        model_dir, family="qwen3", dtype=dtype, compute_dtype=compute, remat=remat
+    )
     model = models.abstract_model(info, extras, mesh)
     nnx.update(model, _abstract(nnx.state(model), mesh))
     return model
@@ -114,7 +126,8 @@ def xla_bytes(case: tuple, model_dir: str) -> dict[str, int]:
     from posttrain.trainer import lora as lora_lib
     from posttrain.trainer.mesh import BATCH_AXES, make_mesh
 
-    technique, lora, devices, _, _, length, batch = case
+    technique, lora, devices, _, _, length, batch, *rest = case
+    remat = rest[0] if rest else "none"
     mesh = make_mesh(devices, 1, jax.devices()[:devices])
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_AXES))
 
@@ -122,7 +135,8 @@ def xla_bytes(case: tuple, model_dir: str) -> dict[str, int]:
         return {k: jax.ShapeDtypeStruct(s, d, sharding=rows) for k, (s, d) in shapes.items()}
 
     with jax.set_mesh(mesh):
-        model = _model(model_dir, mesh, jnp.bfloat16 if lora else jnp.float32, jnp.bfloat16)
+        dtype = jnp.bfloat16 if lora else jnp.float32
+        model = _model(model_dir, mesh, dtype, jnp.bfloat16, remat)
         wrt = nnx.Param
         if lora:
             model = lora_lib.apply_lora(model, 16, 16.0, None, mesh)
@@ -169,10 +183,10 @@ def xla_bytes(case: tuple, model_dir: str) -> dict[str, int]:
     }
 
 
-def _child(work: Path) -> None:
-    cases = json.loads((work / "cases.json").read_text())
+def _child(work: Path, group: str) -> None:
+    cases = json.loads((work / f"cases-{group}.json").read_text())
     out = {name: xla_bytes(tuple(case), model_dir) for name, (case, model_dir) in cases.items()}
-    (work / "xla.json").write_text(json.dumps(out))
+    (work / f"xla-{group}.json").write_text(json.dumps(out))
 
 
 # ------------------------------------------------------------------------- the tests
@@ -192,17 +206,23 @@ def measured(tmp_path_factory):
             model_dir.mkdir()
             (model_dir / "config.json").write_text(json.dumps(_config(layers, vocab)))
             dirs[layers, vocab] = model_dir
-    todo = {name: (case, str(dirs[case[3], case[4]])) for name, case in CASES.items()}
-    (work / "cases.json").write_text(json.dumps(todo))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-    ).strip()
-    run = subprocess.run(
-        [sys.executable, __file__, str(work)], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    xla = json.loads((work / "xla.json").read_text())
+    xla = {}
+    for group, flags in (("plain", ""), ("remat", REMAT_XLA_FLAGS)):
+        todo = {
+            name: (case, str(dirs[case[3], case[4]]))
+            for name, case in CASES.items()
+            if (len(case) > 7) == (group == "remat")
+        }
+        (work / f"cases-{group}.json").write_text(json.dumps(todo))
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = (
+            f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES} {flags}"
+        ).strip()
+        run = subprocess.run(
+            [sys.executable, __file__, str(work), group], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        xla |= json.loads((work / f"xla-{group}.json").read_text())
     out = {}
     for name, case in CASES.items():
         spec = _spec(case, dirs[case[3], case[4]])
@@ -220,11 +240,12 @@ def test_estimate_is_within_a_quarter_of_xla(measured, name):
     assert 0.75 * xla <= est <= 1.25 * xla, (name, xla, est, est / xla)
 
 
-def test_per_layer_memory_is_linear_in_both(measured):
-    (xla2, est2), (xla4, est4) = measured["sft-1dev"], measured["sft-1dev-4layers"]
+@pytest.mark.parametrize("remat", ["", "-remat"])
+def test_per_layer_memory_is_linear_in_both(measured, remat):
+    (xla2, est2), (xla4, est4) = measured[f"sft-1dev{remat}"], measured[f"sft-1dev-4layers{remat}"]
     layer_xla, layer_est = (xla4 - xla2) / 2, (est4 - est2) / 2
     assert 0.75 * layer_xla <= layer_est <= 1.25 * layer_xla, (layer_xla, layer_est)
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]))
+    _child(Path(sys.argv[1]), sys.argv[2])
