@@ -81,6 +81,24 @@ def pods(cluster: Cluster, namespace: str) -> list:
     return cluster.core.list_namespaced_pod(namespace).items
 
 
+def wait_phase(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    phase: str,
+    *,
+    timeout: int = 60,
+    describe: str | None = None,
+) -> None:
+    """Waits until the job's status.phase is `phase`. With `describe` (kinds), a
+    timeout's message carries `kubectl get <describe>` of the namespace."""
+    wait_for(
+        lambda: status(cluster, namespace, name).get("phase") == phase,
+        timeout=timeout,
+        describe=(lambda: cluster.describe(namespace, describe)) if describe else None,
+    )
+
+
 def set_suspend(cluster: Cluster, namespace: str, name: str, suspend: bool) -> None:
     """Sets the job's spec.scheduling.suspend, as a user does (kubectl patch)."""
     patch = '{"spec":{"scheduling":{"suspend":%s}}}' % ("true" if suspend else "false")
@@ -98,10 +116,8 @@ def wait_pods_removed(cluster: Cluster, namespace: str, timeout: int) -> None:
 
 def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "happy", "posttrain-trainer:slow")
-    wait_for(
-        lambda: status(cluster, namespace, "happy").get("phase") == "Running",
-        timeout=90,
-        describe=lambda: cluster.describe(namespace),
+    wait_phase(
+        cluster, namespace, "happy", "Running", timeout=90, describe="jobsets,jobs,pods,events"
     )
     placed = {p.spec.node_name for p in pods(cluster, namespace)}
     assert len(placed) == 2 and all(n.startswith("tpu-v6e-2x4-") for n in placed)
@@ -157,9 +173,9 @@ def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, ope
 
 def test_suspend_and_resume(cluster: Cluster, namespace: str, operator):
     tpu_job(cluster, namespace, "pause", "posttrain-trainer:slow")
-    wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Running", timeout=90)
+    wait_phase(cluster, namespace, "pause", "Running", timeout=90)
     set_suspend(cluster, namespace, "pause", True)
-    wait_for(lambda: status(cluster, namespace, "pause").get("phase") == "Suspended", timeout=60)
+    wait_phase(cluster, namespace, "pause", "Suspended")
     wait_pods_removed(cluster, namespace, 60)
     set_suspend(cluster, namespace, "pause", False)
     cluster.kubectl(
@@ -173,11 +189,7 @@ def test_kueue_queue_holds_job_until_admitted(cluster: Cluster, namespace: str, 
     cq = queue[1]["metadata"]["name"]
     try:
         tpu_job(cluster, namespace, "queued", "posttrain-trainer:slow", queue="tpu")
-        wait_for(
-            lambda: status(cluster, namespace, "queued").get("phase") == "Queued",
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "jobsets,workloads,pods,events"),
-        )
+        wait_phase(cluster, namespace, "queued", "Queued", describe="jobsets,workloads,pods,events")
         # Kueue's own word on why (zero quota), in plain `kubectl get ptj`.
         row = wait_row(cluster, namespace, "queued", "insufficient quota", kinds="workloads")
         # ... and its place in the queue, from Kueue's visibility API.
@@ -298,12 +310,12 @@ def test_suspend_while_queued_then_resume(cluster: Cluster, namespace: str, oper
     cq = queue[1]["metadata"]["name"]
     try:
         tpu_job(cluster, namespace, "held", "posttrain-trainer:slow", queue="tpu")
-        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=60)
+        wait_phase(cluster, namespace, "held", "Queued")
         set_suspend(cluster, namespace, "held", True)
-        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Suspended", timeout=30)
+        wait_phase(cluster, namespace, "held", "Suspended", timeout=30)
         assert pods(cluster, namespace) == []
         set_suspend(cluster, namespace, "held", False)
-        wait_for(lambda: status(cluster, namespace, "held").get("phase") == "Queued", timeout=30)
+        wait_phase(cluster, namespace, "held", "Queued", timeout=30)
         time.sleep(3)
         assert status(cluster, namespace, "held")["phase"] == "Queued"
         cluster.kubectl(
@@ -481,22 +493,16 @@ def test_suspend_while_running_on_kueue_then_resume(cluster: Cluster, namespace:
     watch = PhaseWatch(cluster, namespace, "pausing")
     try:
         tpu_job(cluster, namespace, "pausing", "posttrain-trainer:long", queue="tpu")
-        wait_for(
-            lambda: status(cluster, namespace, "pausing").get("phase") == "Running",
-            timeout=60,
-            describe=lambda: cluster.describe(namespace, "posttrainjobs,workloads,pods"),
+        wait_phase(
+            cluster, namespace, "pausing", "Running", describe="posttrainjobs,workloads,pods"
         )
         set_suspend(cluster, namespace, "pausing", True)
-        wait_for(
-            lambda: status(cluster, namespace, "pausing").get("phase") == "Suspended", timeout=30
-        )
+        wait_phase(cluster, namespace, "pausing", "Suspended", timeout=30)
         wait_pods_removed(cluster, namespace, 30)
         row = get_row(cluster, namespace, "pausing")
         assert row.split()[4] == "Suspended" and "suspended by spec.scheduling.suspend" in row
         set_suspend(cluster, namespace, "pausing", False)
-        wait_for(
-            lambda: status(cluster, namespace, "pausing").get("phase") == "Running", timeout=60
-        )
+        wait_phase(cluster, namespace, "pausing", "Running")
         time.sleep(2)  # nothing moves it from Running now
         seen = watch.stop()
     finally:
