@@ -153,16 +153,13 @@ def _key_usage(ca: bool) -> Any:
     """A CA's key usage (signs certificates and CRLs) or a leaf's (signs, enciphers keys)."""
     from cryptography import x509
 
+    unused = "content_commitment data_encipherment key_agreement encipher_only decipher_only"
     return x509.KeyUsage(
         digital_signature=True,
-        content_commitment=False,
         key_encipherment=not ca,
-        data_encipherment=False,
-        key_agreement=False,
         key_cert_sign=ca,
         crl_sign=ca,
-        encipher_only=False,
-        decipher_only=False,
+        **dict.fromkeys(unused.split(), False),
     )
 
 
