@@ -128,6 +128,13 @@ SCHEDULING = [
         {"spec": {"suspend": False}},
         ["Resuming"],
     ),
+    (
+        "user resumes a queued job: Kueue starts it when it admits it again",
+        {"queue": "tpu"},
+        (True, scheduling_annotation({"scheduling": {"queue": "tpu", "suspend": True}})),
+        {},
+        ["Resuming"],
+    ),
     ("Kueue suspended it: left alone", {}, (True, ANNOTATED), {}, []),
     (
         "priority and ttl changed",
@@ -155,7 +162,7 @@ def test_scheduling_update(case, scheduling, js, patch, events):
         got.pop("metadata")
     assert got == patch
     assert [e.reason for e in got_events] == events
-    if patch:  # the patch records what the JobSet now carries
+    if patch or events:  # the patch records what the JobSet now carries
         assert json.loads(annotations[SCHEDULING_ANNOTATION]) == json.loads(
             scheduling_annotation(spec)
         )

@@ -101,7 +101,8 @@ def scheduling_update(spec: dict[str, Any], jobset: dict[str, Any]) -> tuple[dic
     """The JobSet merge patch for the job's spec.scheduling fields that changed since
     the JobSet was made or last patched (its SCHEDULING_ANNOTATION), with a Suspending or
     Resuming Event. Kueue suspends and resumes JobSets itself: only a change of the
-    job's own spec.scheduling.suspend moves the JobSet's."""
+    job's own spec.scheduling.suspend moves the JobSet's, and a job in a Kueue queue is
+    resumed by Kueue alone."""
     desired = desired_scheduling(spec)
     meta = jobset.get("metadata") or {}
     try:
@@ -115,6 +116,13 @@ def scheduling_update(spec: dict[str, Any], jobset: dict[str, Any]) -> tuple[dic
     patch = scheduling_patch(applied, desired)
     if not patch:
         return {}, []
+    if (spec.get("scheduling") or {}).get("queue") and not desired["suspend"]:
+        # Kueue starts the JobSet once it admits the Workload again (the Workload is
+        # active again: `workload_activation`); started here, ahead of that admission,
+        # Kueue would suspend it again and the job would flap Pending, Queued, Pending.
+        patch.get("spec", {}).pop("suspend", None)
+        if not patch.get("spec", True):
+            patch.pop("spec")
     patch.setdefault("metadata", {})["annotations"] = {
         SCHEDULING_ANNOTATION: json.dumps(desired, sort_keys=True)
     }
