@@ -193,28 +193,27 @@ def create_or_get_owned(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, 
         raise retry(e, f"create {kind} {name}") from e
 
 
-def read(path: str) -> dict[str, Any] | None:
-    """The object at path; None when there is none."""
+def _unless_gone(what: str, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+    """request(...), or None when the object is not there (404); other failures are
+    `retry` errors."""
     try:
-        return request("GET", path)
+        return request(method, path, body, **kwargs)
     except ApiException as e:
         if e.status == 404:
             return None
-        raise retry(e, f"read {path}") from e
+        raise retry(e, f"{what} {path}") from e
     except urllib3.exceptions.HTTPError as e:
-        raise retry(e, f"read {path}") from e
+        raise retry(e, f"{what} {path}") from e
+
+
+def read(path: str) -> dict[str, Any] | None:
+    """The object at path; None when there is none."""
+    return _unless_gone("read", "GET", path)
 
 
 def patch(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """Merge-patch the object at path; the object after it, None when it is gone."""
-    try:
-        return request("PATCH", path, body, content_type=MERGE_PATCH)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise retry(e, f"patch {path}") from e
-    except urllib3.exceptions.HTTPError as e:
-        raise retry(e, f"patch {path}") from e
+    return _unless_gone("patch", "PATCH", path, body, content_type=MERGE_PATCH)
 
 
 def pending_workloads(namespace: str, queue: str) -> dict[str, Any] | None:
