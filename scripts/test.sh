@@ -13,7 +13,8 @@ phase() {
 }
 
 phase lint bash -c "ruff check . && ruff format --check ."
-phase unit pytest -q tests/unit
-phase trainer pytest -q tests/trainer
-phase integration pytest -q tests/integration
-phase e2e pytest -q tests/e2e
+# --durations: each tier prints its slowest tests, so growth shows where it comes from.
+phase unit pytest -q --durations=5 tests/unit
+phase trainer pytest -q --durations=25 tests/trainer
+phase integration pytest -q --durations=25 tests/integration
+phase e2e pytest -q --durations=15 tests/e2e
