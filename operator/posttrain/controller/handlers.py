@@ -2,6 +2,9 @@
 a reconcile (`reconcile.reconcile`, level-based: it looks at everything the indexes of
 `watches` hold, whatever the event was). Nothing is decided or written here.
 
+Every replica runs them (its indexes stay warm); the queue runs only on the one that
+holds the leader Lease (`Queue`).
+
 - A job's events: the job itself (created, changed, resumed after a restart, or listed
   again after the watch was lost); jobs whose JobSet is not made yet go first.
 - JobSet, pod and Kueue Workload events: the job they belong to (by the job-name label;
@@ -14,35 +17,65 @@ event and index handlers are registered, which kopf persists nothing for).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 from typing import Any
 
 import kopf
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller import metrics, reconcile, watches
+from posttrain.controller import kube, metrics, reconcile, watches
 from posttrain.controller.workqueue import WorkQueue
 from posttrain.render.jobset import JOB_NAME_LABEL
 
 
 class Queue:
-    """The operator's one WorkQueue, started on the first event (in kopf's context, so
-    that its reconciles can post Events through kopf)."""
+    """The operator's one WorkQueue, made on the first event: in kopf's context, so that
+    its reconciles can post Events through kopf, and once every index holds its first
+    listing (kopf calls no handler before).
+
+    Every replica watches and keeps the indexes; only the one holding the leader Lease
+    (`kube.LEADING`) runs the queue's workers. A standby queues nothing; when it takes
+    over (`changed`), it queues every job its indexes hold and reconciles them from
+    there, without listing anything again. When the Lease is lost the workers stop."""
 
     queue: WorkQueue | None = None
+    indexes: dict[str, Any] = {}
+    loop: asyncio.AbstractEventLoop | None = None
+    context: contextvars.Context | None = None
 
     @classmethod
     def add(cls, key: reconcile.Key, indexes: dict[str, Any], urgent: bool = False) -> None:
         if cls.queue is None:
-            indexes = {k: v for k, v in indexes.items() if k.endswith("_index")}
-            cls.queue = WorkQueue(lambda k: reconcile.reconcile(k, indexes, cls.queue))
-            cls.queue.start()
-        cls.queue.add(key, urgent)
+            cls.indexes = {k: v for k, v in indexes.items() if k.endswith("_index")}
+            cls.queue = WorkQueue(lambda k: reconcile.reconcile(k, cls.indexes, cls.queue))
+            cls.context = contextvars.copy_context()
+            cls.loop = asyncio.get_running_loop()
+            cls._apply()
+        if cls.queue.running:
+            cls.queue.add(key, urgent)
 
+    @classmethod
+    def changed(cls) -> None:
+        """The Lease was taken or lost (any thread): start or pause the workers."""
+        if cls.loop is not None:
+            with contextlib.suppress(RuntimeError):  # kopf has ended: nothing acts now
+                cls.loop.call_soon_threadsafe(cls._apply, context=cls.context)
 
-@kopf.on.cleanup()
-async def stop_queue(**_: Any) -> None:
-    if Queue.queue is not None:
-        await Queue.queue.stop()
+    @classmethod
+    def _apply(cls) -> None:
+        queue = cls.queue
+        if queue is None or queue.running == kube.LEADING.is_set():
+            return
+        if queue.running:
+            queue.pause()
+            return
+        queue.start()
+        jobs = cls.indexes.get("job_index") or {}
+        for key in list(jobs):
+            for job in jobs.get(key, ()):
+                queue.add(key, urgent=not (job.get("status") or {}).get("jobSetName"))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +51,15 @@ class Retry(Exception):
         self.delay = delay
 
 
+class NotLeader(Retry):
+    """A write asked for while this replica does not hold the leader Lease."""
+
+
+# Set while this replica holds the leader Lease (controller/leader.py): only then is a
+# write sent. A standby's (or a deposed leader's) write raises NotLeader unsent.
+LEADING = threading.Event()
+
+
 class Refused(Exception):
     """Creating one of a job's objects cannot succeed by retrying: the API server refused
     it, or an object of that name exists that the job does not own. `reason` is the
@@ -80,9 +90,13 @@ def request(
     content_type: str = "application/json",
     query: list[tuple[str, str]] | None = None,
     timeout: float = 30,
+    standby: bool = False,
 ) -> dict[str, Any]:
     """One API call; the decoded JSON answer. Raises ApiException for an answer that is
-    not 2xx, urllib3's errors when the server cannot be reached."""
+    not 2xx, urllib3's errors when the server cannot be reached. A write is sent only
+    while this replica leads, or with standby=True (the Lease's own requests)."""
+    if method != "GET" and not standby and not LEADING.is_set():
+        raise NotLeader(f"{method} {path}: this replica does not hold the leader Lease")
     api = _api_client()
     headers = {"Accept": "application/json"}
     if body is not None:

@@ -5,8 +5,12 @@ not been renewed for `duration` seconds. Updates carry the Lease's resourceVersi
 two candidates cannot both win the same round. A holder renews from the Lease its last
 update returned: one request per round (it reads again only after a conflict).
 
-While the API server is unreachable the holder keeps acting (nobody else can take the
-Lease through a server that is down); it steps down as soon as it sees another holder.
+A holder steps down as soon as it sees another holder, and when it has not renewed for
+`deadline` seconds (the API server unreachable: shorter than `duration`, so it has
+stopped before a standby can take over); it leads again once it renews. `run` goes
+round that for the life of the process: a replica that loses the Lease becomes a
+standby again, caches and all. Only the Lease's own requests are sent while not
+leading (`kube.request(..., standby=True)`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +46,16 @@ def _parse(text: str | None) -> datetime.datetime | None:
 
 class LeaseElector:
     def __init__(
-        self, namespace: str, name: str, identity: str, duration: int = 15, renew: float = 3
+        self,
+        namespace: str,
+        name: str,
+        identity: str,
+        duration: int = 15,
+        renew: float = 3,
+        deadline: float = 10,
     ):
         self.namespace, self.name, self.identity = namespace, name, identity
-        self.duration, self.renew = duration, renew
+        self.duration, self.renew, self.deadline = duration, renew, deadline
         self.collection = kube.COLLECTIONS["Lease"].format(namespace=namespace)
         self.path = f"{self.collection}/{name}"
         self.lease: dict[str, Any] | None = None  # as the last read or update returned it
@@ -61,7 +72,7 @@ class LeaseElector:
     def _read(self) -> dict[str, Any] | None:
         """The Lease, {} when there is none."""
         try:
-            return kube.request("GET", self.path)
+            return kube.request("GET", self.path, standby=True)
         except ApiException as e:
             return {} if e.status == 404 else None
 
@@ -85,7 +96,7 @@ class LeaseElector:
                 "spec": self._spec(0, _time(_now())),
             }
             try:
-                self.lease = kube.request("POST", self.collection, body)
+                self.lease = kube.request("POST", self.collection, body, standby=True)
                 return True
             except ApiException:
                 return False
@@ -102,7 +113,7 @@ class LeaseElector:
         acquired = spec.get("acquireTime") if mine else _time(_now())
         update = {**lease, "spec": self._spec(transitions, acquired or _time(_now()))}
         try:
-            self.lease = kube.request("PUT", self.path, update)
+            self.lease = kube.request("PUT", self.path, update, standby=True)
         except ApiException as e:
             self.lease = None
             if e.status == 409 and mine and again:
@@ -120,16 +131,42 @@ class LeaseElector:
             stop.wait(self.renew)
         return False
 
-    def hold(
-        self, stop: threading.Event, lost: Callable[[], None], on_round: Callable[[], None]
-    ) -> None:
-        """Renew until stopped; call lost() once another replica holds the Lease."""
+    def hold(self, stop: threading.Event, on_round: Callable[[], None]) -> bool:
+        """Renew until stopped (False) or no longer the holder (True): another replica
+        holds the Lease, or no renewal went through for `deadline` seconds."""
+        renewed = time.monotonic()
         while not stop.wait(self.renew):
             on_round()
-            if self.try_acquire() is False:
+            held = self.try_acquire()
+            if held:
+                renewed = time.monotonic()
+            elif held is False:
                 log.error("lost lease %s/%s to another replica", self.namespace, self.name)
-                lost()
-                return
+                return True
+            elif time.monotonic() - renewed > self.deadline:
+                log.error(
+                    "lease %s/%s not renewed for %.0fs: stepping down",
+                    self.namespace,
+                    self.name,
+                    time.monotonic() - renewed,
+                )
+                self.lease = None
+                return True
+        return False
+
+    def run(
+        self,
+        stop: threading.Event,
+        lead: Callable[[], None],
+        follow: Callable[[], None],
+        on_round: Callable[[], None],
+    ) -> None:
+        """Until stopped: wait for the Lease, lead() once held, follow() once no
+        longer held or stopped (called on this thread, at once), and wait again."""
+        while self.wait_until_leader(stop, on_round):
+            lead()
+            self.hold(stop, on_round)
+            follow()
 
     def release(self) -> None:
         """Give the Lease up on a clean shutdown so a standby takes over at once."""
@@ -138,6 +175,6 @@ class LeaseElector:
             spec = (lease or {}).get("spec") or {}
             if spec.get("holderIdentity") == self.identity:
                 spec = {**spec, "holderIdentity": None, "renewTime": None}
-                kube.request("PUT", self.path, {**lease, "spec": spec})
+                kube.request("PUT", self.path, {**lease, "spec": spec}, standby=True)
         except (ApiException, urllib3.exceptions.HTTPError):
             pass

@@ -1,4 +1,5 @@
-"""`posttrain operator`: leader election, metrics/health endpoint, then kopf.
+"""`posttrain operator`: metrics/health endpoint, admission, kopf's watches on every
+replica, and leader election deciding which one acts.
 
 Settings come from flags, with environment defaults for the chart:
 POSTTRAIN_TRAINER_IMAGE_CPU / _TPU / _GPU (the trainer image per accelerator kind),
@@ -9,7 +10,6 @@ POSTTRAIN_PATHWAYS_HEAD_NODE_POOL, POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAME
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import faulthandler
 import json
@@ -23,7 +23,8 @@ import kopf
 from kubernetes import config as kube_config
 
 from posttrain.controller import (
-    handlers,  # noqa: F401 (registers the kopf handlers)
+    handlers,
+    kube,
     metrics,
     reconcile,
     watches,
@@ -117,40 +118,41 @@ def operator_command(args: argparse.Namespace) -> int:
                 args.webhook_ca or args.webhook_cert,
             )
 
-    halt = threading.Event()  # stops the Lease loops
+    # Every replica watches and keeps its indexes warm; only the Lease's holder acts
+    # (reconciles, writes, posts Events). The Lease thread switches that at once.
+    settings = _settings(args)
+    settings.posting.enabled = False  # kopf posts no Event for a standby
+
+    def lead() -> None:
+        kube.LEADING.set()
+        settings.posting.enabled = True
+        metrics.LEADER.set(1)
+        log.info("leading: reconciling every job the watches hold")
+        handlers.Queue.changed()
+
+    def follow() -> None:
+        kube.LEADING.clear()
+        settings.posting.enabled = False
+        metrics.LEADER.set(0)
+        log.info("standby: watching, not acting")
+        handlers.Queue.changed()
+
+    halt = threading.Event()  # stops the Lease loop
     elector = LeaseElector(args.lease_namespace, LEASE_NAME, args.identity)
     log.info("waiting for lease %s/%s as %s", args.lease_namespace, LEASE_NAME, args.identity)
-    if not elector.wait_until_leader(halt, metrics.Heartbeat.beat):
-        return 0
-    metrics.LEADER.set(1)
-    lost: concurrent.futures.Future[str] = concurrent.futures.Future()
-
-    def on_lost() -> None:
-        if not lost.done():
-            lost.set_result("lost the leader Lease")
-
-    @kopf.on.cleanup()
-    def release_stop_flag(**_: object) -> None:
-        # kopf waits for this flag in a worker thread; resolve it on any shutdown (e.g.
-        # SIGTERM) so that thread ends and the process exits at once.
-        if not lost.done():
-            lost.set_result("")
-
-    threading.Thread(
-        target=elector.hold, args=(halt, on_lost, metrics.Heartbeat.beat), daemon=True
-    ).start()
+    lease = threading.Thread(
+        target=elector.run, args=(halt, lead, follow, metrics.Heartbeat.beat), daemon=True
+    )
+    lease.start()
     try:
         kopf.run(
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace or (),
-            settings=_settings(args),
-            stop_flag=lost,
+            settings=settings,
         )
     finally:
         halt.set()
-        metrics.LEADER.set(0)
-        reason = lost.result() if lost.done() else ""
-        if not reason:
-            elector.release()
-    return 1 if reason else 0
+        lease.join(timeout=10)
+        elector.release()
+    return 0

@@ -135,7 +135,8 @@ def serve(address: str, port: int, certfile: str, keyfile: str) -> ThreadingHTTP
 
 def register(host: str, port: int, ca_file: str) -> None:
     """Create or update the ValidatingWebhookConfiguration pointing at host:port (for
-    clusters where the operator runs outside, e.g. the local control plane)."""
+    clusters where the operator runs outside, e.g. the local control plane): sent by
+    every replica that serves admission, the leader or not."""
     from kubernetes.client.exceptions import ApiException
 
     from posttrain.controller import kube
@@ -150,10 +151,9 @@ def register(host: str, port: int, ca_file: str) -> None:
     }
     collection = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
     try:
-        kube.request("POST", collection, body)
+        kube.request("POST", collection, body, standby=True)
     except ApiException as e:
         if e.status != 409:
             raise
-        kube.request(
-            "PATCH", f"{collection}/{CONFIGURATION_NAME}", body, content_type=kube.MERGE_PATCH
-        )
+        path = f"{collection}/{CONFIGURATION_NAME}"
+        kube.request("PATCH", path, body, content_type=kube.MERGE_PATCH, standby=True)

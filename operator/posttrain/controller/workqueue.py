@@ -8,6 +8,9 @@ time, up to MAX_BACKOFF; `forget(key)` resets that once a reconcile succeeds. Un
 retry is due, events do not run the key sooner. Urgent keys (jobs whose JobSet is not
 made yet) are taken before the rest.
 
+`start()` runs its workers, `pause()` cancels them at once and forgets every key (a
+replica that stops leading acts no more; the one that leads next queues every job).
+
 It runs on kopf's event loop; `work(key)` is a coroutine.
 """
 
@@ -36,15 +39,32 @@ class WorkQueue:
         self._items = asyncio.Semaphore(0)
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks)
+
     def start(self) -> None:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
 
-    async def stop(self) -> None:
-        for task in self._tasks:
+    def pause(self) -> list[asyncio.Task]:
+        """Cancel the workers (a reconcile in progress stops at its next await) and
+        forget every key, its retries and backoff; the cancelled workers."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        for pending in (self._due, self._later):
+            for handle in pending.values():
+                handle.cancel()
+            pending.clear()
+        for keys in (self._urgent, self._normal, self._queued, self._dirty, self._failures):
+            keys.clear()
+        self._running.clear()
+        self._items = asyncio.Semaphore(0)
+        return tasks
+
+    async def stop(self) -> None:
+        await asyncio.gather(*self.pause(), return_exceptions=True)
 
     def __len__(self) -> int:
         return len(self._queued) + len(self._due)
