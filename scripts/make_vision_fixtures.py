@@ -11,18 +11,32 @@ model), saved with ``save_pretrained`` as safetensors, with:
 - a few small images in ``images/`` (RGB of odd sizes, RGBA, greyscale);
 - ``golden.npz``: for a conversation with one image and one with two, the processor's
   ``input_ids``, ``token_type_ids`` and ``pixel_values``, and the model's logits; and the
-  processor's ``pixel_values`` of every image alone (``pixels_<name>``).
+  processor's ``pixel_values`` of every image alone (``pixels_<name>``);
+- ``peft_adapter/``: a LoRA adapter that ``peft`` made on the transformers model (rank 4,
+  alpha 8, the language model's projections, random nonzero ``lora_B``; ``lora_A`` equal
+  for k_proj and v_proj, which posttrain's Gemma holds as one fused projection), and
+  ``peft_golden.npz``: ``peft``'s logits with it for the one-image conversation
+  (``logits_one``, its last ``PEFT_POSITIONS`` positions) and for a text-only prompt
+  (``input_ids_text``, ``logits_text``);
+- ``transformers_layout.json``: the transformers model's ``state_dict`` names and shapes
+  and its ``nn.Linear`` module names (what a merged export must fill and what PEFT's
+  ``target_modules`` select from).
 
-torch and transformers are not in the project's venv; run this with a venv that has
-torch, transformers (5.x) and Pillow:
+torch, transformers and peft are not in the project's venv; run this with a venv that has
+torch, transformers (5.x), peft and Pillow:
 
-    /tmp/peftvenv/bin/python scripts/make_vision_fixtures.py
+    /tmp/peftvenv/bin/python scripts/make_vision_fixtures.py           # everything
+    /tmp/peftvenv/bin/python scripts/make_vision_fixtures.py --peft    # peft_* and the layout
+    # a merged export of posttrain loads into transformers with no missing or unexpected
+    # tensors and reproduces the JAX logits saved next to it (merged_logits_one.npy):
+    /tmp/peftvenv/bin/python scripts/make_vision_fixtures.py --check-merged DIR
 
 CI only reads the committed files (tests/trainer/test_vision.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -32,6 +46,10 @@ from make_hf_fixtures import FAMILIES, SEED, TINY_DECODER, randomize
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "trainer" / "fixtures" / "gemma3-vision"
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 4, 16
+PEFT_RANK, PEFT_ALPHA, PEFT_POSITIONS = 4, 8, 16
+# PEFT's target_modules of the reference: the language model's projections only
+PEFT_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+TEXT_PROMPT = [{"role": "user", "content": [{"type": "text", "text": "What shape is it?"}]}]
 
 SPECIAL = [
     "<pad>",
@@ -237,7 +255,134 @@ def hf_model(ids: dict[str, int]):
     return model.eval()
 
 
+def _resolved(messages: list[dict]) -> list[dict]:
+    return [
+        {
+            **m,
+            "content": [
+                {**part, "image": str(OUT / part["image"])} if part["type"] == "image" else part
+                for part in m["content"]
+            ],
+        }
+        for m in messages
+    ]
+
+
+def make_peft_reference() -> None:
+    """peft_adapter/, peft_golden.npz and transformers_layout.json (see the docstring)."""
+    import shutil
+
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        OUT, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    layout = {
+        "state_dict": {k: list(v.shape) for k, v in model.state_dict().items()},
+        "linear_modules": sorted(
+            n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+        ),
+    }
+    (OUT / "transformers_layout.json").write_text(json.dumps(layout, indent=1) + "\n")
+    config = peft.LoraConfig(
+        r=PEFT_RANK,
+        lora_alpha=PEFT_ALPHA,
+        target_modules=PEFT_TARGETS,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(SEED)  # peft's lora_A init
+    lora = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, module in lora.named_modules():
+            if not isinstance(module, peft.tuners.lora.LoraLayer) or "k_proj" in name:
+                continue
+            b = module.lora_B["default"].weight
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen) / PEFT_RANK**0.5)
+            if name.endswith("v_proj"):  # k and v share lora_A (fused in posttrain)
+                k = lora.get_submodule(name.removesuffix("v_proj") + "k_proj")
+                k.lora_A["default"].weight.copy_(module.lora_A["default"].weight)
+                kb = k.lora_B["default"].weight
+                kb.copy_(0.3 * torch.randn(kb.shape, generator=gen) / PEFT_RANK**0.5)
+    lora.eval()
+    target = OUT / "peft_adapter"
+    shutil.rmtree(target, ignore_errors=True)
+    lora.save_pretrained(target)
+    saved = json.loads((target / "adapter_config.json").read_text())
+    saved["base_model_name_or_path"] = "posttrain-fixtures/tiny-gemma3-vision"  # not this path
+    (target / "adapter_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    (target / "README.md").unlink(missing_ok=True)
+
+    processor = transformers.AutoProcessor.from_pretrained(OUT)
+    golden: dict[str, np.ndarray] = {}
+    image_inputs = processor.apply_chat_template(
+        _resolved(CONVERSATIONS["one"]), tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    text_inputs = processor.apply_chat_template(
+        TEXT_PROMPT, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        with_image = lora(**image_inputs).logits.float().numpy()
+        with lora.disable_adapter():
+            without = lora(**image_inputs).logits.float().numpy()
+        text = lora(
+            input_ids=text_inputs["input_ids"], attention_mask=text_inputs["attention_mask"]
+        ).logits
+    golden["logits_one"] = with_image[:, -PEFT_POSITIONS:]
+    golden["input_ids_text"] = text_inputs["input_ids"].numpy()
+    golden["logits_text"] = text.float().numpy()
+    np.savez(OUT / "peft_golden.npz", **golden)
+    moved = float(np.abs(with_image - without).max())
+    size = sum(f.stat().st_size for f in [*target.iterdir(), OUT / "peft_golden.npz"])
+    print(
+        f"peft {peft.__version__}: {sum('lora_' in k for k in lora.state_dict())} adapter "
+        f"tensors; the adapter moves the image prompt's logits by {moved:.2f}; "
+        f"peft_adapter + peft_golden.npz {size / 1024:.0f} KiB"
+    )
+
+
+def check_merged(directory: Path) -> int:
+    """A posttrain merged export of this fixture loads into transformers with no missing or
+    unexpected tensors and gives the JAX logits saved as ``merged_logits_one.npy``."""
+    import torch
+    import transformers
+
+    model, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    problems = {k: v for k, v in info.items() if v}
+    processor = transformers.AutoProcessor.from_pretrained(OUT)
+    inputs = processor.apply_chat_template(
+        _resolved(CONVERSATIONS["one"]), tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        logits = model.eval()(**inputs).logits.float().numpy()
+    diff = float(np.abs(logits - np.load(directory / "merged_logits_one.npy")).max())
+    ok = not problems and diff < 1e-4
+    print(
+        f"transformers load: {problems or 'all tensors'}; max|diff| {diff:.2e} {'ok' if ok else 'FAIL'}"
+    )
+    return 0 if ok else 1
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--peft", action="store_true", help="only the peft reference")
+    group.add_argument("--check-merged", type=Path, metavar="DIR")
+    args = parser.parse_args()
+    if args.check_merged:
+        return check_merged(args.check_merged)
+    if not args.peft:
+        make_fixture()
+    make_peft_reference()
+    return 0
+
+
+def make_fixture() -> None:
     import torch
     import transformers
     from PIL import Image
@@ -270,16 +415,7 @@ def main() -> int:
         pix = image_processor(Image.open(path), return_tensors="np")["pixel_values"]
         golden[f"pixels_{name}"] = pix[0].astype(np.float32)  # [C, H, W]
     for key, messages in CONVERSATIONS.items():
-        resolved = [
-            {
-                **m,
-                "content": [
-                    {**part, "image": str(OUT / part["image"])} if part["type"] == "image" else part
-                    for part in m["content"]
-                ],
-            }
-            for m in messages
-        ]
+        resolved = _resolved(messages)
         inputs = processor.apply_chat_template(
             resolved, tokenize=True, return_dict=True, return_tensors="pt"
         )
@@ -306,7 +442,6 @@ def main() -> int:
     np.savez(OUT / "golden.npz", **golden)
     size = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"tokenizer: {n_tokens} tokens {ids}; fixture {size / 1024:.0f} KiB")
-    return 0
 
 
 if __name__ == "__main__":

@@ -352,6 +352,7 @@ def test_lora_job_with_images_trains_and_exports(image_dir):
     (LoRA on the decoder): the loss falls, a PEFT adapter of the language model is
     exported, and a run resumed from a checkpoint ends bitwise the same."""
     from safetensors.numpy import load_file
+    from test_vision_export import assert_like_peft_reference
     from tiny_job import run_job, tiny_job
 
     rows = _colour_rows() * 4
@@ -373,6 +374,8 @@ def test_lora_job_with_images_trains_and_exports(image_dir):
     assert adapter and all(
         k.startswith("base_model.model.model.language_model.layers.") for k in adapter
     )
+    # the names, shapes and adapter_config of the adapter peft makes on that model
+    assert_like_peft_reference(image_dir / "out" / "hf")
     # exact resume: the run as if it had died after the step-2 checkpoint
     import shutil
 

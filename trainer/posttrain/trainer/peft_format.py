@@ -36,6 +36,8 @@ def info_from_model(model: nnx.Module, hf_prefix: str = "model.") -> models.Mode
     """Enough of a ModelInfo to map a Tunix model's params to HF names."""
     family = lora.family_of(model)
     cfg = model.config
+    if getattr(cfg, "vision_config", None) is not None:  # a Gemma3ForConditionalGeneration
+        hf_prefix = _PEFT_DECODER
     gemma = family.startswith("gemma")
     tie = (
         True
@@ -84,13 +86,26 @@ def _adapted_maps(model: nnx.Module, info: models.ModelInfo):
     return out
 
 
+# Where a Gemma3ForConditionalGeneration checkpoint keeps its decoder (see detect_prefix),
+# and the module PEFT finds it as on the transformers model.
+_MULTIMODAL_DECODERS = ("model.language_model.", "language_model.model.")
+_PEFT_DECODER = "model.language_model."
+
+
+def _multimodal(info: models.ModelInfo) -> bool:
+    """Whether the transformers model of ``info``'s checkpoint is a
+    ``Gemma3ForConditionalGeneration``: with its vision tower loaded, or a text-only job
+    on such a checkpoint (its decoder saved under ``language_model``)."""
+    return getattr(info, "vision", None) is not None or info.hf_prefix in _MULTIMODAL_DECODERS
+
+
 def _peft_naming(info: models.ModelInfo) -> models.ModelInfo:
-    """``info`` naming modules as PEFT finds them on the transformers model: a model with
-    Gemma 3's vision tower is a ``Gemma3ForConditionalGeneration``, whose decoder is
-    ``model.language_model`` whatever layout its checkpoint was saved in."""
-    if getattr(info, "vision", None) is None:
+    """``info`` naming modules as PEFT finds them on the transformers model: the decoder
+    of a ``Gemma3ForConditionalGeneration`` is ``model.language_model`` whatever layout
+    its checkpoint was saved in and whether or not the job loads the vision tower."""
+    if not _multimodal(info):
         return info
-    return dataclasses.replace(info, hf_prefix="model.language_model.")
+    return dataclasses.replace(info, hf_prefix=_PEFT_DECODER)
 
 
 def _hf_module(source: str) -> str:
@@ -147,12 +162,19 @@ def merged_deltas(model: nnx.Module, info: models.ModelInfo) -> dict[str, Callab
 
 def _target_modules(adapted: set[str], info: models.ModelInfo) -> list[str] | str:
     """PEFT ``target_modules``: short names when they select exactly the adapted modules,
-    else a full-match regex over the module names."""
+    else a full-match regex over the module names. On a ``Gemma3ForConditionalGeneration``
+    short names would also select the vision tower's ``q_proj``, ``k_proj``, ``v_proj``: the
+    regex names the language model's modules of those short names."""
     every = {
-        _hf_module(s) for m in models.param_maps(info) for s in m.sources if s.endswith(".weight")
+        _hf_module(s)
+        for m in models.param_maps(info)
+        for s in m.sources
+        if s.endswith(".weight") and s.startswith(info.hf_prefix)
     }
     short = sorted({m.rsplit(".", 1)[-1] for m in adapted})
     if {m for m in every if m.rsplit(".", 1)[-1] in short} == adapted:
+        if _multimodal(info):
+            return re.escape(info.hf_prefix) + r".*\.(" + "|".join(short) + ")"
         return short
     return "^(" + "|".join(re.escape(m) for m in sorted(adapted, key=lora.natural_order)) + ")$"
 

@@ -88,6 +88,6 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             adapter = sources.local_model_dir(
                 spec.lora.restore_from, scratch, field="spec.lora.restoreFrom"
             )
-            peft_format.load_peft_adapter(model, adapter)
+            peft_format.load_peft_adapter(model, adapter, info)
         wrt = nnx.LoRAParam
     return Policy(model, info, wrt, info.model_dir)
