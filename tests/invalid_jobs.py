@@ -343,4 +343,20 @@ CASES: list[Case] = [
         "has none",
         server=False,
     ),
+    Case(
+        "vision-tower-without-images",
+        _set("spec.training.trainVisionTower", True),
+        "spec.training.trainVisionTower",
+        "needs images",
+    ),
+    Case(
+        "vision-tower-with-lora",
+        _all(
+            _set("spec.training.trainVisionTower", True),
+            _set("spec.data.columns", {"images": "images"}),
+            _set("spec.lora", {"rank": 4}),
+        ),
+        "spec.training.trainVisionTower",
+        "for a full fine-tune",
+    ),
 ]

@@ -35,7 +35,8 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 - vision tower: with spec.data.columns.images, Gemma 3's SigLIP tower and projector
   (frozen: in spec.model.dtype under LoRA, a float32 copy and its cast in a full
   fine-tune), and its forward activations in `activations` (one layer at a time, one
-  image a row); the images' soft tokens are part of maxLength already. Not checked
+  image a row); with spec.training.trainVisionTower also its float32 gradient and adam
+  moments and every layer's activations; the images' soft tokens are part of maxLength already. Not checked
   against XLA (test_capacity_xla.py covers the text steps).
 
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
@@ -281,7 +282,11 @@ def estimate(
         held = vision.params * (w if spec.lora else 4 + (w if w < 4 else 0))
         tower = held / fsdp
         p, vw = vision.patches, vision.width
-        activations += rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
+        tower_layer = rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
+        activations += tower_layer
+        if t.train_vision_tower:  # trained too: adam's moments, its gradient, every layer kept
+            tower += vision.params * 12 / fsdp
+            activations += (vision.depth - 1) * tower_layer
     terms = {
         "weights": weights / fsdp + whole * w,
         "optimizer": opt_bytes / fsdp,

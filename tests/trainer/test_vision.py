@@ -347,6 +347,41 @@ def test_full_finetune_on_images_lowers_the_loss_with_the_tower_frozen(image_dir
     assert not np.array_equal(projector, model.embedder.mm_input_projection.w.get_value())
 
 
+@pytest.mark.parametrize("train_tower", [False, True])
+def test_the_vision_tower_trains_only_when_the_job_asks(image_dir, train_tower):
+    """spec.training.trainVisionTower of a full fine-tune, through load_policy and the SFT
+    train step: the tower's weights move only when it is set; the projector either way."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from tiny_job import tiny_job, validated
+
+    from posttrain.trainer import models, sft
+    from posttrain.trainer.policy import load_policy
+
+    doc = tiny_job(FIXTURE, image_dir / "train.jsonl", image_dir / "out", steps=2, every=2)
+    doc["spec"]["lora"] = None
+    doc["spec"]["data"]["columns"] = {"images": "images"}
+    doc["spec"]["training"]["trainVisionTower"] = train_tower
+    spec = validated(doc).spec
+    policy = load_policy(spec, models.make_mesh(1, 1, jax.devices()[:1]), image_dir)
+    model = policy.model
+    tower = nnx.state(model, nnx.PathContains("vision_encoder"))
+    before = [np.asarray(x) for x in jax.tree.leaves(tower)]
+    projector = np.asarray(model.embedder.mm_input_projection.w.get_value())
+    batch = _rows(_dataset(image_dir, _colour_rows()), policy.info).batch(np.arange(3))
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=policy.wrt)
+    step = sft.make_train_step(policy.wrt, 1)
+    step(model, opt, {k: jnp.asarray(v) for k, v in batch.items()})
+    tower = nnx.state(model, nnx.PathContains("vision_encoder"))
+    after = [np.asarray(x) for x in jax.tree.leaves(tower)]
+    moved = [not np.array_equal(a, b) for a, b in zip(before, after, strict=True)]
+    assert len(moved) == len(models.vision.param_maps(policy.info.vision, 64)) - 2
+    assert all(moved) if train_tower else not any(moved), moved
+    assert not np.array_equal(projector, model.embedder.mm_input_projection.w.get_value())
+
+
 def test_lora_job_with_images_trains_and_exports(image_dir):
     """A PostTrainJob with spec.data.columns.images, validated and run by the trainer
     (LoRA on the decoder): the loss falls, a PEFT adapter of the language model is

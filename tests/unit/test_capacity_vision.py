@@ -13,7 +13,7 @@ from posttrain.api.spec import PostTrainJobSpec
 FIXTURE = Path(__file__).resolve().parents[1] / "trainer" / "fixtures" / "gemma3-vision"
 
 
-def _estimate(images: bool, lora: bool = True):
+def _estimate(images: bool, lora: bool = True, train_tower: bool = False):
     doc = valid_job()
     doc["spec"].update(
         model={"source": "hf://google/gemma-3-4b-it"}, resources={"accelerator": "v6e-8"}
@@ -22,6 +22,8 @@ def _estimate(images: bool, lora: bool = True):
         doc["spec"]["data"]["columns"] = {"images": "images"}
     if lora:
         doc["spec"]["lora"] = {"rank": 16}
+    if train_tower:
+        doc["spec"]["training"] = {"trainVisionTower": True}
     spec = PostTrainJobSpec.model_validate(doc["spec"])
     return capacity.estimate(spec, catalog.resolve("v6e-8", None))
 
@@ -46,3 +48,12 @@ def test_images_add_the_frozen_tower_and_its_activations():
     assert vision.terms["activations"] > text.terms["activations"]
     full = _estimate(images=True, lora=False)
     assert abs(full.terms["vision tower"] * capacity.GIB - params * 6 / fsdp) < 1
+
+
+def test_a_trained_tower_adds_its_optimizer_state_gradient_and_activations():
+    frozen, trained = _estimate(images=True, lora=False), _estimate(True, False, True)
+    params = model_shapes.vision_shape("hf://google/gemma-3-4b-it").params
+    fsdp = trained.layout.per_slice
+    # float32 master and its cast (6 bytes) + float32 gradient and adam's 2 moments (12)
+    assert abs(trained.terms["vision tower"] * capacity.GIB - params * 18 / fsdp) < 1
+    assert trained.terms["activations"] > frozen.terms["activations"]

@@ -157,6 +157,20 @@ RULES: list[Rule] = [
         "images (spec.data.columns.images) need a model with a vision tower: "
         "spec.model.family gemma3 (a Gemma3ForConditionalGeneration checkpoint)",
     ),
+    Rule(
+        "training.trainVisionTower",
+        "!self.training.trainVisionTower || (has(self.data.columns) && "
+        "has(self.data.columns.images))",
+        lambda s: not s.training.train_vision_tower or s.data.columns.images is not None,
+        "training.trainVisionTower needs images (spec.data.columns.images)",
+    ),
+    Rule(
+        "training.trainVisionTower",
+        "!self.training.trainVisionTower || !has(self.lora)",
+        lambda s: not s.training.train_vision_tower or s.lora is None,
+        "training.trainVisionTower is for a full fine-tune; LoRA (spec.lora) adapts the "
+        "language model only",
+    ),
 ]
 
 

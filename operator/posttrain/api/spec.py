@@ -283,6 +283,11 @@ class TrainingSpec(KubeModel):
     log_every_steps: int = Field(default=10, ge=1, le=10_000_000)
     """How often to write TensorBoard scalars and report progress."""
 
+    train_vision_tower: bool = False
+    """Multimodal SFT (data.columns.images), full fine-tune: train the vision tower's
+    weights too. By default the vision tower is frozen and the multimodal projector and
+    the language model train; LoRA (spec.lora) adapts the language model only."""
+
 
 class RewardType(StrEnum):
     exact_answer = "exactAnswer"

@@ -74,7 +74,11 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
         compute_dtype=compute,
         vision=spec.data.columns.images is not None,
     )
-    wrt: Any = vision.full_finetune_params() if info.vision else nnx.Param
+    wrt: Any = nnx.Param
+    if info.vision:  # the vision tower frozen unless spec.training.trainVisionTower
+        wrt = vision.full_finetune_params(spec.training.train_vision_tower)
+        if spec.training.train_vision_tower:
+            vision.unfreeze_tower(model)
     if spec.lora:
         model = lora.apply_lora(
             model,

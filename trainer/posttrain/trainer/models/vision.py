@@ -292,8 +292,18 @@ def image_token_id(model: nnx.Module) -> int:
     return int(vc.soft_token_placeholder)
 
 
-def full_finetune_params() -> Any:
+def full_finetune_params(train_tower: bool = False) -> Any:
     """The nnx filter of what a full fine-tune of a vision model trains: the projector
-    and the language model; the vision tower stays frozen (Tunix's SigLIP also stops
-    gradients at its output)."""
+    and the language model, and the vision tower only with ``train_tower``
+    (spec.training.trainVisionTower; see ``unfreeze_tower``)."""
+    if train_tower:
+        return nnx.Param
     return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_encoder")))
+
+
+def unfreeze_tower(model: nnx.Module) -> None:
+    """Lets the gradients reach the vision tower: Tunix's SigLIP stops them at its output
+    (``apply_stop_gradient``), which freezes the tower whatever the optimizer holds."""
+    if getattr(model, "vision_encoder", None) is None:
+        raise ValueError("spec.training.trainVisionTower: the model has no vision tower")
+    model.vision_encoder.apply_stop_gradient = False
