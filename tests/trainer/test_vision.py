@@ -519,3 +519,47 @@ def test_vision_checkpoint_on_gcs_reads_blocks_in_place(tmp_path, caplog, golden
     assert not any(n.endswith(".safetensors") for n in copied)
     logits = np.asarray(vision.forward(model, golden["input_ids_one"], _pixels(golden, "one")))
     np.testing.assert_allclose(logits, golden["logits_one"], atol=TOL, rtol=0)
+
+
+def test_vision_checkpoint_from_the_hub(tmp_path, monkeypatch, golden):
+    """An hf:// source: what the trainer asks the Hub for (sources.HF_FILES) holds all a
+    vision job reads: the weights with the tower's, the processor's settings and the
+    tokenizer; the PyTorch copy a repository may hold too is not fetched. No network here:
+    the Hub is a directory that the replaced snapshot_download copies from by pattern."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from posttrain.trainer import sources
+    from posttrain.trainer.models import vision
+
+    hub = tmp_path / "hub"
+    shutil.copytree(FIXTURE, hub)
+    (hub / "pytorch_model.bin").write_bytes(b"not read")
+
+    def snapshot_download(repo_id, *, revision, cache_dir, allow_patterns):
+        assert repo_id == "posttrain/tiny-gemma3-vision" and revision is None
+        out = Path(cache_dir) / "snapshot"
+        for path in hub.rglob("*"):
+            name = str(path.relative_to(hub))
+            if path.is_file() and any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, out / name)
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(sources, "HF_CACHE", tmp_path / "cache")
+    model, info = sources.load_model_source(
+        "hf://posttrain/tiny-gemma3-vision", tmp_path, vision=True
+    )
+    assert not (Path(info.model_dir) / "pytorch_model.bin").exists()
+    logits = np.asarray(vision.forward(model, golden["input_ids_one"], _pixels(golden, "one")))
+    np.testing.assert_allclose(logits, golden["logits_one"], atol=TOL, rtol=0)
+    processor = images.processor_for(info.model_dir, info.vision.image_size)
+    pixels = processor(images.load_image("images/rgb_50x37.png", str(FIXTURE), "row 0", "images"))
+    np.testing.assert_allclose(
+        pixels, golden["pixels_rgb_50x37"].transpose(1, 2, 0), atol=PIXEL_TOL
+    )
+    tokenizer = data.load_tokenizer(info.model_dir)
+    assert images.image_token_ids(tokenizer)[1] == info.vision.image_token_id
