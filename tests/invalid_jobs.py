@@ -359,4 +359,13 @@ CASES: list[Case] = [
         "spec.training.trainVisionTower",
         "for a full fine-tune",
     ),
+    Case(
+        "eval-samples-with-images",
+        _all(
+            _set("spec.data.columns", {"images": "images"}),
+            _set("spec.eval", {"fraction": 0.1}),
+        ),
+        "spec.eval.samples",
+        "do not see images",
+    ),
 ]

@@ -176,3 +176,23 @@ def test_merged_export_fills_transformers_state_dict(vision_lora, golden, tmp_pa
         atol=TOL,
         rtol=0,
     )
+
+
+def test_generate_loads_peft_s_adapter_onto_the_vision_checkpoint(peft_golden, tmp_path):
+    """`posttrain generate ADAPTER_DIR` (text prompts): the adapter's modules come from its
+    tensors (peft's target_modules is a regex over transformers' module names), its base
+    from base_model_name_or_path; the logits are peft's."""
+    import shutil
+
+    from posttrain.trainer import generate, models
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(REFERENCE, adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({**cfg, "base_model_name_or_path": str(FIXTURE)})
+    )
+    model, tokenizer = generate.load(str(adapter), tmp_path)
+    logits = np.asarray(models.forward(model, peft_golden["input_ids_text"]))
+    np.testing.assert_allclose(logits, peft_golden["logits_text"], atol=TOL, rtol=0)
+    assert tokenizer.origin == str(FIXTURE)

@@ -171,6 +171,14 @@ RULES: list[Rule] = [
         "training.trainVisionTower is for a full fine-tune; LoRA (spec.lora) adapts the "
         "language model only",
     ),
+    Rule(
+        "eval.samples",
+        "!has(self.eval) || self.eval.samples == 0 || !has(self.data.columns) || "
+        "!has(self.data.columns.images)",
+        lambda s: s.eval is None or s.eval.samples == 0 or s.data.columns.images is None,
+        "eval.samples: sample generations do not see images yet; set eval.samples: 0 with "
+        "spec.data.columns.images (the held-out loss does see them)",
+    ),
 ]
 
 

@@ -55,11 +55,10 @@ def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     if not base:
         raise ValueError(f"MODEL_OR_JOB: {config_path} names no base_model_name_or_path")
     base_dir = sources.local_model_dir(_base_source(base), scratch, field=f"{config_path}: base")
-    model, _ = models.load_model(base_dir)
-    model = lora.apply_lora(
-        model, int(config["r"]), float(config["lora_alpha"]), config.get("target_modules")
-    )
-    peft_format.load_peft_adapter(model, location)
+    model, info = models.load_model(base_dir)
+    targets = peft_format.adapter_target_regex(location, info)
+    model = lora.apply_lora(model, int(config["r"]), float(config["lora_alpha"]), targets)
+    peft_format.load_peft_adapter(model, location, info)
     has_tokenizer = (Path(location) / "tokenizer.json").is_file()
     return model, data.load_tokenizer(location if has_tokenizer else base_dir)
 

@@ -228,6 +228,25 @@ def save_peft_adapter(
     return out
 
 
+def adapter_target_regex(adapter_dir: str | os.PathLike, info: models.ModelInfo) -> str:
+    """The qwix module-path regex (``apply_lora``'s) of exactly the modules a PEFT adapter
+    holds tensors for, on the model of ``info`` (its ``target_modules`` may be a regex
+    over the transformers model's module names, which qwix paths do not follow)."""
+    with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), framework="numpy") as f:
+        keys = {re.sub(r"\.default(?=\.weight$)", "", k) for k in f.keys()}  # noqa: SIM118
+    paths = sorted(
+        {
+            lora.module_path(m.path[:-1])
+            for m in models.param_maps(_peft_naming(info))
+            if any(f"{PEFT_PREFIX}{_hf_module(s)}.lora_A.weight" in keys for s in m.sources)
+        },
+        key=lora.natural_order,
+    )
+    if not paths:
+        raise ValueError(f"{adapter_dir}: the adapter holds no LoRA tensor of this model's modules")
+    return "(" + "|".join(re.escape(p) for p in paths) + ")"
+
+
 def load_peft_adapter(
     model: nnx.Module, adapter_dir: str | os.PathLike, info: models.ModelInfo | None = None
 ) -> nnx.Module:
