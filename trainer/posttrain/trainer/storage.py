@@ -158,9 +158,7 @@ def list_uri(uri: str | os.PathLike[str], *, recursive: bool = False) -> list[st
             return sorted(str(p) for p in root.iterdir() if p.is_file())
         # os.walk skips a directory that vanishes mid-walk (Orbax renames its
         # *-tmp directories while another process lists them); rglob raises.
-        return sorted(
-            os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-        )
+        return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files)
     bucket, path = split_gcs(uri)
     prefix = path + "/" if path else ""
     kwargs: dict[str, Any] = {"prefix": prefix}
