@@ -97,6 +97,9 @@ def _settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     settings.networking.connect_timeout = 5
     settings.watching.server_timeout = 120
     settings.watching.reconnect_backoff = 1.0
+    # Lists come in pages (limit/continue): a replica starting with every job, JobSet and
+    # pod to list never holds a whole kind's list at once.
+    settings.watching.chunk_size = 100
     watches.selectors(settings)
     return settings
 
