@@ -382,10 +382,30 @@ def test_the_vision_tower_trains_only_when_the_job_asks(image_dir, train_tower):
     assert not np.array_equal(projector, model.embedder.mm_input_projection.w.get_value())
 
 
+def _policy(image_dir, **spec):
+    import jax
+    from tiny_job import tiny_job, validated
+
+    from posttrain.trainer import models
+    from posttrain.trainer.policy import load_policy
+
+    doc = tiny_job(FIXTURE, image_dir / "train.jsonl", image_dir / "out", steps=2, every=2)
+    doc["spec"].update(spec)
+    doc["spec"]["data"]["columns"] = {"images": "images"}
+    job = validated(doc)
+    return load_policy(job.spec, models.make_mesh(1, 1, jax.devices()[:1]), image_dir)
+
+
+def test_lora_on_the_vision_tower_is_refused(image_dir):
+    with pytest.raises(ValueError, match="spec.lora.targetModules: .* selects vision tower"):
+        _policy(image_dir, lora={"rank": 4, "alpha": 8, "targetModules": ".*(q_einsum|query_proj)"})
+
+
 def test_lora_job_with_images_trains_and_exports(image_dir):
     """A PostTrainJob with spec.data.columns.images, validated and run by the trainer
-    (LoRA on the decoder): the loss falls, a PEFT adapter of the language model is
-    exported, and a run resumed from a checkpoint ends bitwise the same."""
+    (LoRA on the decoder, bfloat16 with float32 adapters): the loss falls, a PEFT adapter
+    of the language model is exported, and a run resumed from a checkpoint ends bitwise
+    the same."""
     from safetensors.numpy import load_file
     from test_vision_export import assert_like_peft_reference
     from tiny_job import run_job, tiny_job
@@ -398,6 +418,7 @@ def test_lora_job_with_images_trains_and_exports(image_dir):
         image_dir / "out",
         steps=4,
         every=2,
+        dtype="bfloat16",
         training={"logEverySteps": 1, "batchSize": 4},
     )
     doc["spec"]["data"]["columns"] = {"images": "images"}
@@ -409,6 +430,7 @@ def test_lora_job_with_images_trains_and_exports(image_dir):
     assert adapter and all(
         k.startswith("base_model.model.model.language_model.layers.") for k in adapter
     )
+    assert {v.dtype for v in adapter.values()} == {np.dtype(np.float32)}  # the masters
     # the names, shapes and adapter_config of the adapter peft makes on that model
     assert_like_peft_reference(image_dir / "out" / "hf")
     # exact resume: the run as if it had died after the step-2 checkpoint
