@@ -177,6 +177,24 @@ def test_logits_match_transformers_with_one_and_two_images(loaded, golden):
     np.testing.assert_allclose(logits[1], golden["logits_two"][0], atol=TOL, rtol=0)
 
 
+def test_bfloat16_soft_tokens_merge_in_the_text_dtype(golden):
+    """A bfloat16 model's image soft tokens (float32 out of SigLIP) are cast to the text
+    embeddings' dtype before Tunix scatters them in (JAX warns of, and will refuse, the
+    implicit cast); the logits stay near the float32 ones."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    from posttrain.trainer import models
+    from posttrain.trainer.models import vision
+
+    model, _ = models.load_model(FIXTURE, dtype=jnp.bfloat16, vision=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        logits = vision.forward(model, golden["input_ids_one"], _pixels(golden, "one"))
+    assert float(np.abs(np.asarray(logits) - golden["logits_one"]).max()) < 0.5
+
+
 def test_image_soft_tokens_attend_both_ways(golden):
     """Without the image blocks (a causal mask only) the logits are off: the mask is what
     makes them match."""

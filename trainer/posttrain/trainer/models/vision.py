@@ -26,9 +26,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tunix.models.gemma3 import merge_embeddings as merge_lib
 from tunix.models.gemma3 import vision as siglip_lib
 
 from posttrain.trainer.mesh import ACTIVATION_BATCH
+
+
+def _install_merge_cast() -> None:
+    """Tunix's ``merge_embeddings`` scatters the float32 soft tokens of the images into
+    the text embeddings of a bfloat16 model, a cast JAX deprecates (a FutureWarning now,
+    an error in later releases): the soft tokens are cast to the text embeddings' dtype
+    first, as transformers does. Installed on import, once."""
+    original = merge_lib.merge_embeddings
+    if getattr(original, "posttrain_cast", False):
+        return
+
+    def merge_embeddings(*, text_embeddings, vision_embeddings, mask):
+        vision_embeddings = jnp.asarray(vision_embeddings).astype(text_embeddings.dtype)
+        return original(
+            text_embeddings=text_embeddings, vision_embeddings=vision_embeddings, mask=mask
+        )
+
+    merge_embeddings.posttrain_cast = True
+    merge_lib.merge_embeddings = merge_embeddings
+
+
+_install_merge_cast()
 
 # Where the vision tower's and the projector's tensors can live in a checkpoint.
 _TOWER_PREFIXES = (
