@@ -78,6 +78,12 @@ class Queue:
                 queue.add(key, urgent=not (job.get("status") or {}).get("jobSetName"))
 
 
+@kopf.on.cleanup()
+async def stop_queue(**_: Any) -> None:
+    if Queue.queue is not None:
+        await Queue.queue.stop()
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def on_job_event(event: dict[str, Any], body: kopf.Body, **kwargs: Any) -> None:
     meta = body["metadata"]
