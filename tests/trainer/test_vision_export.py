@@ -102,11 +102,25 @@ def _with_reference_adapter(vision: bool):
 
 
 @pytest.fixture(scope="module")
-def vision_lora():
-    return _with_reference_adapter(vision=True)
+def vision_lora(tmp_path_factory):
+    """A LoRA job with images whose spec.lora.restoreFrom is peft's adapter."""
+    import jax
+    from tiny_job import tiny_job, validated
+
+    from posttrain.trainer import models
+    from posttrain.trainer.policy import load_policy
+
+    tmp = tmp_path_factory.mktemp("restore")
+    doc = tiny_job(FIXTURE, tmp / "train.jsonl", tmp / "out", steps=1, every=1)
+    doc["spec"]["lora"]["restoreFrom"] = str(REFERENCE)
+    doc["spec"]["data"]["columns"] = {"images": "images"}
+    policy = load_policy(validated(doc).spec, models.make_mesh(1, 1, jax.devices()[:1]), tmp)
+    return policy.model, policy.info
 
 
 def test_peft_adapter_loads_with_peft_logits_on_an_image_prompt(vision_lora, peft_golden, golden):
+    """spec.lora.restoreFrom of the adapter peft made: peft's logits on a prompt with an
+    image."""
     from posttrain.trainer.models import vision
 
     model, _ = vision_lora
