@@ -20,6 +20,9 @@ per LocalQueue with waiting jobs every 10 s (1 s when one of them is not listed 
 not one per job.
 
 An index is a kopf mapping from a key to the values of every object that gave that key.
+The index functions are coroutines: kopf calls them on its event loop, with no hop to a
+worker thread per object (a replica starting with 1100 jobs and JobSets to list saw them
+all in 20 s instead of about 30 s, one run each).
 kopf runs no handler before every index holds its first listing, so a reconcile never
 takes a JobSet that is not listed yet for a missing one.
 """
@@ -125,40 +128,44 @@ def jobset_summary(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+async def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
     return {(namespace, name): job_summary(dict(body))}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={JOB_NAME_LABEL: kopf.PRESENT})
-def jobset_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+async def jobset_index(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Key, Any]:
     return {(namespace, labels[JOB_NAME_LABEL]): jobset_summary(dict(body))}
 
 
 @kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
-def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+async def pod_index(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Key, Any]:
     if body["metadata"].get("deletionTimestamp"):
         return {}
     return {(namespace, labels[JOB_NAME_LABEL]): phase.pod_state(dict(body))}
 
 
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", when=jobset_owned)
-def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+async def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
     owner = next(r for r in body["metadata"]["ownerReferences"] if r.get("kind") == "JobSet")
     return {(namespace, owner["name"]): (owner.get("uid"), phase.workload_state(dict(body)))}
 
 
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses")
-def workload_priority_class_index(name: str, **_: Any) -> dict[str, str]:
+async def workload_priority_class_index(name: str, **_: Any) -> dict[str, str]:
     return {"names": name}
 
 
 @kopf.index("scheduling.k8s.io", "v1", "priorityclasses")
-def priority_class_index(name: str, **_: Any) -> dict[str, str]:
+async def priority_class_index(name: str, **_: Any) -> dict[str, str]:
     return {"names": name}
 
 
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues")
-def inactive_cluster_queue_index(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
+async def inactive_cluster_queue_index(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
     why = phase.cluster_queue_inactive(dict(body))
     return {name: why} if why else {}
 
