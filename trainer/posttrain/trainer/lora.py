@@ -285,3 +285,16 @@ def settings_of(model: nnx.Module) -> LoraSettings:
             raise ValueError("the model has no LoRA adapters (apply_lora first)")
         raise ValueError("the model's LoRA was not made by posttrain's apply_lora (alpha unknown)")
     return settings
+
+
+def refuse_tower_targets(model: nnx.Module, target_modules: Any) -> None:
+    """ValueError naming spec.lora.targetModules when it selects vision tower modules:
+    LoRA adapts the language model only."""
+    adaptable = list(adaptable_modules(model))
+    regex = resolve_targets(family_of(model), target_modules, adaptable)
+    tower = [p for p in adaptable if p.startswith("vision_encoder/") and re.fullmatch(regex, p)]
+    if tower:
+        raise ValueError(
+            f"{TARGET_FIELD}: {target_modules!r} selects vision tower modules "
+            f"({', '.join(tower[:3])}); LoRA adapts the language model only"
+        )

@@ -81,7 +81,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             vision.unfreeze_tower(model)
     if spec.lora:
         if info.vision:
-            vision.refuse_tower_targets(model, spec.lora.target_modules)
+            lora.refuse_tower_targets(model, spec.lora.target_modules)
         model = lora.apply_lora(
             model,
             spec.lora.rank,

@@ -324,23 +324,6 @@ def full_finetune_params(train_tower: bool = False) -> Any:
     return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_encoder")))
 
 
-def refuse_tower_targets(model: nnx.Module, target_modules: Any) -> None:
-    """ValueError naming spec.lora.targetModules when it selects vision tower modules:
-    LoRA adapts the language model only."""
-    import re
-
-    from posttrain.trainer import lora
-
-    adaptable = list(lora.adaptable_modules(model))
-    regex = lora.resolve_targets(lora.family_of(model), target_modules, adaptable)
-    tower = [p for p in adaptable if p.startswith("vision_encoder/") and re.fullmatch(regex, p)]
-    if tower:
-        raise ValueError(
-            f"{lora.TARGET_FIELD}: {target_modules!r} selects vision tower modules "
-            f"({', '.join(tower[:3])}); LoRA adapts the language model only"
-        )
-
-
 def unfreeze_tower(model: nnx.Module) -> None:
     """Lets the gradients reach the vision tower: Tunix's SigLIP stops them at its output
     (``apply_stop_gradient``), which freezes the tower whatever the optimizer holds."""
