@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
+# The trainer tier's JAX compilation cache outlives the run (like pip's and Go's caches):
+# on a machine that has run the tests once, only programs that changed compile again.
+export POSTTRAIN_TEST_JAX_CACHE="${POSTTRAIN_TEST_JAX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/posttrain/jax-compile}"
 
 phase() {
   local name=$1; shift

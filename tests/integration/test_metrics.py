@@ -63,9 +63,15 @@ def test_dashboard_and_alert_metrics_are_exported(
         wait_for(lambda: op.metric("posttrain_job_progress_ratio", labels) == 0.25, timeout=30)
         assert op.metric("posttrain_job_tokens_per_second", labels) == 640.0
         assert op.metric("posttrain_job_restarts", labels) == 0
-        status = apiserver.custom.get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "watched"
-        )["status"]
+
+        def written_status() -> dict | None:
+            job = apiserver.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, "watched"
+            )
+            return job["status"] if "conditions" in job.get("status", {}) else None
+
+        # The gauge follows the operator's decision; its status write may land a moment later.
+        status = wait_for(written_status, timeout=30, what="the operator's status write")
         newest = max(c["lastTransitionTime"] for c in status["conditions"])
         entered = op.metric(
             "posttrain_job_phase_entered_timestamp_seconds", f'{labels},phase="{status["phase"]}"'

@@ -1,9 +1,14 @@
 """Trainer tier: one persistent JAX compilation cache for the whole session, shared with
 the `posttrain` processes the tests start (a resumed run, a second host), so programs
-that compile the same way load instead of compiling again."""
+that compile the same way load instead of compiling again. With POSTTRAIN_TEST_JAX_CACHE
+set (scripts/test.sh sets it under ~/.cache) the cache outlives the session, so a
+machine that has run the tier once compiles only what changed; otherwise it is a fresh
+directory per session. Entries are keyed by the program, the compile options and the
+jax/jaxlib versions, so a stale one is never loaded."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,11 +19,14 @@ def compilation_cache(tmp_path_factory):
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    path = str(tmp_path_factory.mktemp("jax-cache"))
+    kept = os.environ.get("POSTTRAIN_TEST_JAX_CACHE")  # kept between runs (scripts/test.sh)
+    path = kept or str(tmp_path_factory.mktemp("jax-cache"))
     settings = {
         "jax_compilation_cache_dir": path,
         "jax_persistent_cache_min_compile_time_secs": 0.0,
     }
+    if kept:
+        settings["jax_compilation_cache_max_size"] = 2 << 30  # least recently used go first
     before = {name: getattr(jax.config, name) for name in settings}
     mp = pytest.MonkeyPatch()
     for name, value in settings.items():
