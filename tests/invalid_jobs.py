@@ -312,7 +312,7 @@ CASES: list[Case] = [
             ),
         ),
         "metadata.name",
-        "at most 45 characters",
+        "at most 39 characters",
         server=False,
     ),
     Case(

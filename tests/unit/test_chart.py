@@ -34,6 +34,8 @@ CLUSTER_SCOPED = {
     "ClusterRole",
     "ClusterRoleBinding",
     "ValidatingWebhookConfiguration",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 }
 HELM_ONLY_LABELS = (
     "helm.sh/chart",
@@ -44,13 +46,11 @@ HELM_ONLY_LABELS = (
 
 # What the operator touches, and nothing else: (apiGroup, resource) -> verbs.
 EXPECTED_CLUSTER_RULES = {
-    ("posttrain.dev", "posttrainjobs"): {"get", "list", "watch", "patch"},
-    ("posttrain.dev", "posttrainjobs/status"): {"get", "patch"},
+    ("posttrain.dev", "posttrainjobs"): {"get", "list", "watch"},
+    ("posttrain.dev", "posttrainjobs/status"): {"patch"},
     ("posttrain.dev", "posttrainjobs/finalizers"): {"update"},
     ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch", "create", "patch"},
-    ("", "configmaps"): {"create", "get"},
     ("", "serviceaccounts"): {"create", "get"},
-    ("rbac.authorization.k8s.io", "roles"): {"create", "get"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
@@ -253,6 +253,9 @@ def test_default_objects() -> None:
         ("ServiceAccount", "posttrain"),
         ("ClusterRole", "posttrain"),
         ("ClusterRoleBinding", "posttrain"),
+        ("ClusterRole", "posttrain-trainer"),
+        ("ValidatingAdmissionPolicy", "posttrain-trainer-status"),
+        ("ValidatingAdmissionPolicyBinding", "posttrain-trainer-status"),
         ("Role", "posttrain-leader-election"),
         ("RoleBinding", "posttrain-leader-election"),
         ("Deployment", "posttrain"),
@@ -274,7 +277,7 @@ def test_release_name_prefixes_objects() -> None:
 
 def test_cluster_role_is_exactly_what_the_operator_touches() -> None:
     docs = template()
-    rules = find(docs, "ClusterRole")["rules"]
+    rules = find(docs, "ClusterRole", "posttrain")["rules"]
     assert rule_set(rules) == EXPECTED_CLUSTER_RULES
     for r in rules:
         assert "*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"]
@@ -330,27 +333,55 @@ def _sample_job() -> Any:
 
 PLURALS = {
     "ServiceAccount": ("", "serviceaccounts"),
-    "ConfigMap": ("", "configmaps"),
-    "Role": ("rbac.authorization.k8s.io", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
     "JobSet": ("jobset.x-k8s.io", "jobsets"),
 }
 
 
 def test_operator_may_create_everything_the_renderer_makes() -> None:
-    """Every object `render` returns is creatable, and every rule of the trainer's Role is
-    held by the operator itself (the RBAC escalation check on Role creation)."""
-    from posttrain.render import render
+    """Every object `render` and `trainer_access` return is creatable, and every rule of
+    the trainer ClusterRole the RoleBinding grants is held by the operator itself (the RBAC
+    escalation check on RoleBinding creation)."""
+    from posttrain.render import RenderConfig, render
+    from posttrain.render.objects import trainer_access
 
-    held = rule_set(find(template(), "ClusterRole")["rules"])
-    objs = render(_sample_job())
+    docs = template()
+    held = rule_set(find(docs, "ClusterRole", "posttrain")["rules"])
+    env = env_of(container(docs))
+    role = env["POSTTRAIN_TRAINER_CLUSTER_ROLE"]
+    assert role == RenderConfig().trainer_cluster_role
+    objs = render(_sample_job()) + trainer_access("team-a", role)
     for obj in objs:
         assert "create" in held[PLURALS[obj["kind"]]], obj["kind"]
-    roles = [o for o in objs if o["kind"] == "Role"]
-    assert roles
-    for role in roles:
-        for (group, res), verbs in rule_set(role["rules"]).items():
-            assert verbs <= held.get((group, res), set()), (group, res, verbs)
+    (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role
+    granted = rule_set(find(docs, "ClusterRole", role)["rules"])
+    assert granted == {("posttrain.dev", "posttrainjobs/status"): {"patch"}}
+    for key, verbs in granted.items():
+        assert verbs <= held.get(key, set()), (key, verbs)
+
+
+def test_trainer_status_policy_names_what_the_renderer_makes() -> None:
+    """The policy keeping each trainer to its own job's status matches the ServiceAccount
+    and the trainer replicated jobs the renderer uses, and denies (its binding)."""
+    from posttrain.render.names import TRAINER_REPLICATED_JOBS, TRAINER_SERVICE_ACCOUNT
+
+    docs = template(release="ml", namespace="ops")
+    policy = find(docs, "ValidatingAdmissionPolicy", "ml-posttrain-trainer-status")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (match,) = spec["matchConditions"]
+    assert f"':{TRAINER_SERVICE_ACCOUNT}')" in match["expression"]
+    pod_rule = spec["validations"][-1]["expression"]
+    assert f"^({'|'.join(TRAINER_REPLICATED_JOBS)})-[0-9]+-[0-9]+-[a-z0-9]+$" in pod_rule
+    binding = find(docs, "ValidatingAdmissionPolicyBinding", "ml-posttrain-trainer-status")
+    assert binding["spec"] == {
+        "policyName": "ml-posttrain-trainer-status",
+        "validationActions": ["Deny"],
+    }
+    assert env_of(container(docs))["POSTTRAIN_TRAINER_CLUSTER_ROLE"] == "ml-posttrain-trainer"
+    without = kinds(template({"rbac.create": False}))
+    assert not {k for k, _ in without} & {"ValidatingAdmissionPolicy", "ClusterRole"}
 
 
 # -- Deployment ------------------------------------------------------------------------

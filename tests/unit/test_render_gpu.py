@@ -18,6 +18,7 @@ import pytest
 from posttrain.api.validate import load_job
 from posttrain.catalog import GPU_TYPES, resolve
 from posttrain.render import gpu, render
+from posttrain.render.trainer_config import CONFIG_ANNOTATION
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "jobs"
 XPK = json.loads((Path(__file__).parent / "data" / "xpk-1.16.0-gpu-decorators.json").read_text())
@@ -110,7 +111,7 @@ def test_every_gpu_pod_gets_driver_libraries_shm_and_cuda(name):
 
 def test_single_node_gpu_pod_has_no_gpudirect():
     template = pod_template("h100-2-nodes", nodes=1)
-    assert "annotations" not in template["metadata"]
+    assert list(template["metadata"]["annotations"]) == [CONFIG_ANNOTATION]
     assert "initContainers" not in template["spec"]
     assert not any(e["name"].startswith("NCCL_") for e in trainer_of(template["spec"])["env"])
 
@@ -123,6 +124,7 @@ def test_gpudirect_matches_xpk(stack):
     template = pod_template(STACK_JOBS[stack])
     spec = template["spec"]
     annotations = dict(template["metadata"]["annotations"])
+    del annotations[CONFIG_ANNOTATION]  # the trainer's config (test_render.py)
     annotations["networking.gke.io/interfaces"] = json.loads(
         annotations["networking.gke.io/interfaces"]
     )

@@ -25,6 +25,11 @@ serves the whole cluster, so the release's full name is enough. */}}
 {{- include "posttrain.fullname" . -}}
 {{- end -}}
 
+{{/* The ClusterRole the operator binds each namespace's trainer ServiceAccount to. */}}
+{{- define "posttrain.trainerClusterRole" -}}
+{{- include "posttrain.clusterName" . -}}-trainer
+{{- end -}}
+
 {{- define "posttrain.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}

@@ -155,9 +155,12 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
     columns, LoRA, mounts, the batch split and the memory estimate."""
     from posttrain.render.names import NameTooLong, check_name_lengths
+    from posttrain.render.trainer_config import size_error
 
     spec = job.spec
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
+    if too_large := size_error(job):
+        errors.append(FieldError("spec", too_large))
     errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
         errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))

@@ -30,8 +30,6 @@ JOB_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/{PLURAL}"
 # The collection path of each kind of a job's objects.
 COLLECTIONS = {
     "ServiceAccount": "/api/v1/namespaces/{namespace}/serviceaccounts",
-    "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps",
-    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
     "JobSet": f"/apis/{JOBSET_API_VERSION}/namespaces/{{namespace}}/jobsets",
     "Event": "/api/v1/namespaces/{namespace}/events",
@@ -187,6 +185,14 @@ def create_or_get_owned(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, 
     """Create obj; (stored object, True). If it exists and the job owns it (by UID):
     (that object, False). Raises Refused when it exists and is someone else's, or the
     API server refuses it for a reason retrying cannot fix; Retry for the rest."""
+    stored, created = create_or_get(namespace, obj)
+    return (stored, True) if created else (owned(stored, obj), False)
+
+
+def create_or_get(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Create obj; (stored object, True), or (the object of its name, False) when one is
+    there. Raises Refused when the API server refuses it for a reason retrying cannot
+    fix; Retry for the rest."""
     kind, name = obj["kind"], obj["metadata"]["name"]
     collection = COLLECTIONS[kind].format(namespace=namespace)
     try:
@@ -196,7 +202,7 @@ def create_or_get_owned(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, 
             existing = read(f"{collection}/{name}")
             if existing is None:  # deleted meanwhile
                 raise Retry(f"{kind} {name} was just deleted") from e
-            return owned(existing, obj), False
+            return existing, False
         message = server_message(e)
         if e.status == 403 and "exceeded quota" in message:
             raise Retry(f"{kind} {name}: {message}", delay=30) from e
@@ -266,10 +272,10 @@ _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="create")
 
 
 def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
-    """create_or_get_owned for several independent objects at once (one round trip deep);
-    the first error of any of them is raised once all have answered (a refusal before a
+    """create_or_get for several independent objects at once (one round trip deep); the
+    first error of any of them is raised once all have answered (a refusal before a
     retry: it is final)."""
-    futures = [_pool.submit(create_or_get_owned, namespace, obj) for obj in objects]
+    futures = [_pool.submit(create_or_get, namespace, obj) for obj in objects]
     errors = [e for f in futures if (e := f.exception()) is not None]
     if errors:
         raise next((e for e in errors if isinstance(e, Refused)), errors[0])

@@ -84,6 +84,7 @@ def _render_config() -> RenderConfig:
         "pathways_proxy_image": "POSTTRAIN_PATHWAYS_PROXY_IMAGE",
         "pathways_head_node_pool": "POSTTRAIN_PATHWAYS_HEAD_NODE_POOL",
         "default_queue": "POSTTRAIN_DEFAULT_QUEUE",
+        "trainer_cluster_role": "POSTTRAIN_TRAINER_CLUSTER_ROLE",
     }
     return dataclasses.replace(
         defaults, **{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}

@@ -2,10 +2,9 @@
 decide with `actions.decide`, apply with `kube`.
 
 Both run in a worker thread, `apply` with a copy, and make only the calls the decision
-asks for: the job's objects
-when its JobSet is not there (the JobSet last, after every object its pods use is known
-to be the job's own), a JobSet patch for a spec.scheduling change, a status patch when
-the status changed. What it writes is remembered (`Written`) until the watches bring it
+asks for: the JobSet when it is not there (after the namespace's trainer
+ServiceAccount, made once per namespace: `trainer_access`), a JobSet patch for a
+spec.scheduling change, a status patch when the status changed. What it writes is remembered (`Written`) until the watches bring it
 back, so the next reconcile does not take it for missing or stale.
 """
 
@@ -24,7 +23,7 @@ import kopf
 
 from posttrain.api.spec import Phase
 from posttrain.api.validate import validate
-from posttrain.controller import kube, metrics, watches
+from posttrain.controller import kube, metrics, trainer_access, watches
 from posttrain.controller.actions import (
     Actions,
     Event,
@@ -156,14 +155,12 @@ def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
         _write_status(job, _fail(job, "InvalidSpec", "; ".join(str(e) for e in errors)), result)
         return None
     namespace = job["metadata"]["namespace"]
-    *support, jobset = render(parsed, State.render_config)
+    (jobset,) = render(parsed, State.render_config)
     annotations = jobset["metadata"].setdefault("annotations", {})
     annotations[SCHEDULING_ANNOTATION] = scheduling_annotation(job.get("spec") or {})
     try:
-        # The JobSet's pods need these first. A RoleBinding is checked against its Role
-        # (the operator may only grant what it holds), so the Role must exist before it.
-        kube.create_all(namespace, [o for o in support if o["kind"] != "RoleBinding"])
-        kube.create_all(namespace, [o for o in support if o["kind"] == "RoleBinding"])
+        # The JobSet's trainer pods run as the namespace's trainer ServiceAccount.
+        trainer_access.ensure(namespace, State.render_config.trainer_cluster_role)
         stored, created = kube.create_or_get_owned(namespace, jobset)
     except kube.Refused as e:
         _write_status(job, _fail(job, e.reason, str(e)), result)
@@ -173,10 +170,8 @@ def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
         _write_status(job, _observed(job, waiting), result)
         raise
     result.jobset = jobset_summary(stored)
-    if created:
-        name = jobset["metadata"]["name"]
-        log.info("created JobSet %s/%s", namespace, name)
-        result.events.append(Event("Normal", "JobSetCreated", f"created JobSet {name}"))
+    if created:  # no Event of its own: the job's new phase (Pending) has one
+        log.info("created JobSet %s/%s", namespace, jobset["metadata"]["name"])
     return result.jobset
 
 

@@ -21,10 +21,11 @@ from typing import Any
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.catalog import NODEPOOL_LABEL, Placement
 from posttrain.render import gpu, names, pathways, tpu
+from posttrain.render.trainer_config import CONFIG_ANNOTATION, CONFIG_FILE_NAME, config_text
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 CONFIG_MOUNT = "/etc/posttrain"
-CONFIG_FILE = f"{CONFIG_MOUNT}/job.json"
+CONFIG_FILE = f"{CONFIG_MOUNT}/{CONFIG_FILE_NAME}"
 JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
 EXCLUSIVE_TOPOLOGY = pathways.EXCLUSIVE_TOPOLOGY
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -49,6 +50,8 @@ class RenderConfig:
     pathways_proxy_image: str = pathways.PROXY_IMAGE
     pathways_head_node_pool: str = pathways.HEAD_NODE_POOL  # a CPU node pool
     default_queue: str | None = None
+    # The chart's ClusterRole each namespace's trainer ServiceAccount is bound to.
+    trainer_cluster_role: str = "posttrain-trainer"
 
     def trainer_image(self, kind: str) -> str:
         """The default trainer image of an accelerator kind: cpu, tpu or gpu."""
@@ -92,8 +95,12 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def _annotation(key: str) -> str:
+    return f"metadata.annotations['{key}']"
+
+
 def _job_index_env(name: str) -> dict[str, Any]:
-    return _field_env(name, f"metadata.annotations['{JOB_INDEX_ANNOTATION}']")
+    return _field_env(name, _annotation(JOB_INDEX_ANNOTATION))
 
 
 def _trainer_env(job: PostTrainJob, placement: Placement, pathways_head: str | None) -> list:
@@ -190,9 +197,9 @@ def _trainer_container(
 
 
 def _volumes(job: PostTrainJob) -> list[dict[str, Any]]:
-    vols: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": names.config_map_name(job.metadata.name)}}
-    ]
+    # The trainer's config, from its pod's own annotation (trainer_config).
+    config = {"path": CONFIG_FILE_NAME, "fieldRef": {"fieldPath": _annotation(CONFIG_ANNOTATION)}}
+    vols: list[dict[str, Any]] = [{"name": "config", "downwardAPI": {"items": [config]}}]
     if claim := job.spec.output.persistent_volume_claim:
         vols.append({"name": "output", "persistentVolumeClaim": {"claimName": claim}})
     return vols
@@ -232,6 +239,9 @@ def _replicated_job(
     pod_spec: dict,
     trainer_container: str | None,
 ) -> dict[str, Any]:
+    pod_meta: dict[str, Any] = {"labels": common_labels(job)}
+    if trainer_container:  # its config, mounted by _volumes
+        pod_meta["annotations"] = {CONFIG_ANNOTATION: config_text(job)}
     return {
         "name": shape.name,
         "replicas": shape.replicas,
@@ -244,7 +254,7 @@ def _replicated_job(
                 "backoffLimit": 0,
                 "podFailurePolicy": _pod_failure_policy(trainer_container),
                 "template": {
-                    "metadata": {"labels": common_labels(job)},
+                    "metadata": pod_meta,
                     "spec": {"restartPolicy": "Never", **pod_spec},
                 },
             },
@@ -255,14 +265,10 @@ def _replicated_job(
 def _pod_common(job: PostTrainJob, *, service_account: bool = True) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if service_account:
-        spec["serviceAccountName"] = trainer_service_account(job)
+        spec["serviceAccountName"] = names.TRAINER_SERVICE_ACCOUNT
     if job.spec.scheduling.priority_class:
         spec["priorityClassName"] = job.spec.scheduling.priority_class
     return spec
-
-
-def trainer_service_account(job: PostTrainJob) -> str:
-    return f"{job.metadata.name}-trainer"
 
 
 def _direct_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig) -> list[dict]:

@@ -1,8 +1,11 @@
 """Names of the objects a PostTrainJob makes, and the length limits they must keep.
 
 JobSet names its pods' hostnames `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`, and a
-hostname is a DNS label of at most 63 characters; the longest one decides how long a
-job's name may be.
+hostname is a DNS label of at most 63 characters. The Job controller names each pod
+`<hostname>-<5 random characters>`, cutting the job's name short where `<hostname>-`
+would be over 58 characters; the trainer's status permission is checked against that pod
+name (TRAINER_REPLICATED_JOBS), so it must keep the whole hostname. The longest hostname
+decides how long a job's name may be.
 """
 
 from __future__ import annotations
@@ -13,7 +16,16 @@ from posttrain.api.spec import PostTrainJobSpec
 from posttrain.catalog import Placement
 
 DNS_LABEL_MAX = 63
+# names.MaxGeneratedNameLength of the API server: 63 less the 5 random characters.
+GENERATED_PREFIX_MAX = 58
+HOSTNAME_MAX = GENERATED_PREFIX_MAX - 1  # the pod name keeps `<hostname>-` whole
 JAX_COORDINATOR_PORT = 8476
+# The one ServiceAccount of every trainer pod in a namespace (see render.objects).
+TRAINER_SERVICE_ACCOUNT = "posttrain-trainer"
+# The replicated jobs whose pods run the trainer (and its ServiceAccount). No job name
+# ends in `-<one of them>` and none ends in another's tail, so a pod name
+# `<job>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>` names exactly one job.
+TRAINER_REPLICATED_JOBS = ("node", "slice", "pathways-head")
 
 
 class NameTooLong(ValueError):
@@ -25,10 +37,6 @@ class ReplicatedJobShape:
     name: str
     replicas: int  # Jobs
     pods: int  # pods per Job (parallelism = completions)
-
-
-def config_map_name(job_name: str) -> str:
-    return f"{job_name}-config"
 
 
 def jobset_name(job_name: str) -> str:
@@ -52,21 +60,34 @@ def pod_hostname(jobset: str, rjob: str, job_index: int, pod_index: int) -> str:
     return f"{jobset}-{rjob}-{job_index}-{pod_index}"
 
 
+def hostname_limit(rjob: str) -> int:
+    """How long a pod hostname of this replicated job may be: a DNS label, and for the
+    trainer's pods one whose whole `<hostname>-` stays in the pod's name."""
+    return HOSTNAME_MAX if rjob in TRAINER_REPLICATED_JOBS else DNS_LABEL_MAX
+
+
 def check_name_lengths(job_name: str, spec: PostTrainJobSpec, placement: Placement) -> None:
-    """Raise NameTooLong when a derived hostname would exceed the DNS label limit."""
-    longest = max(
+    """Raise NameTooLong when a derived hostname would be too long (`hostname_limit`)."""
+    rjob, longest = max(
         (
-            pod_hostname(jobset_name(job_name), r.name, r.replicas - 1, r.pods - 1)
+            (r.name, pod_hostname(jobset_name(job_name), r.name, r.replicas - 1, r.pods - 1))
             for r in replicated_jobs(spec, placement)
         ),
-        key=len,
+        key=lambda named: len(named[1]) - hostname_limit(named[0]),
     )
-    if len(longest) > DNS_LABEL_MAX:
-        allowed = DNS_LABEL_MAX - (len(longest) - len(job_name))
+    limit = hostname_limit(rjob)
+    if len(longest) > limit:
+        allowed = limit - (len(longest) - len(job_name))
+        why = (
+            f"(its pods are named `<hostname>-<5 characters>`, and Kubernetes cuts a "
+            f"generated name's prefix past {GENERATED_PREFIX_MAX} characters)"
+            if limit == HOSTNAME_MAX
+            else "(the DNS label limit)"
+        )
         raise NameTooLong(
             f"{job_name!r} is {len(job_name)} characters; this job's longest pod hostname "
-            f"would be {longest!r} ({len(longest)} characters), over the {DNS_LABEL_MAX}-"
-            f"character DNS label limit: use a name of at most {allowed} characters"
+            f"would be {longest!r} ({len(longest)} characters), over {limit} {why}: use a "
+            f"name of at most {allowed} characters"
         )
 
 
