@@ -169,13 +169,25 @@ def drop_chart_identity(plane, namespace: str) -> None:
     )
 
 
-def token_kubeconfig(plane, namespace: str, account: str, path: Path) -> Path:
+def token_kubeconfig(
+    plane, namespace: str, account: str, path: Path, pod: dict | None = None
+) -> Path:
     """A kubeconfig for `plane` that authenticates with a token of ServiceAccount
-    `namespace/account`."""
+    `namespace/account`; bound to `pod` (a Pod object) as the kubelet's are, when given:
+    its user info then carries the pod's name."""
     import yaml
 
+    bound = (
+        [
+            "--bound-object-kind=Pod",
+            f"--bound-object-name={pod['metadata']['name']}",
+            f"--bound-object-uid={pod['metadata']['uid']}",
+        ]
+        if pod
+        else []
+    )
     token = plane.kubectl(
-        "create", "token", account, "-n", namespace, "--duration=2h"
+        "create", "token", account, "-n", namespace, "--duration=2h", *bound
     ).stdout.strip()
     cluster = yaml.safe_load(Path(plane.kubeconfig).read_text())["clusters"][0]
     path.write_text(

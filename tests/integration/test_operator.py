@@ -15,11 +15,21 @@ import time
 import pytest
 from invalid_jobs import valid_job
 from operator_process import OperatorProcess, free_port
+from trainer_access import (
+    impersonating,
+    install_trainer_policy,
+    patch_status,
+    trainer_client,
+    trainer_pod,
+)
 
+from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
+from posttrain.render.trainer_config import CONFIG_ANNOTATION
 from tests.cluster import Cluster, self_signed, wait_for
 
 pytestmark = pytest.mark.integration
 GROUP, VERSION, PLURAL = "posttrain.dev", "v1alpha1", "posttrainjobs"
+TRAINER = TRAINER_SERVICE_ACCOUNT
 
 
 @pytest.fixture
@@ -79,9 +89,22 @@ def test_creates_owned_objects_and_status(
     (js,) = jobsets(apiserver, namespace)
     assert js["metadata"]["name"] == "first"
     assert js["metadata"]["ownerReferences"][0]["uid"] == uid
-    cm = apiserver.core.read_namespaced_config_map("first-config", namespace)
-    assert json.loads(cm.data["job.json"])["metadata"]["uid"] == uid
-    assert cm.metadata.owner_references[0].uid == uid
+    # The JobSet is all the job makes: its trainer pods carry the config and run as the
+    # namespace's trainer ServiceAccount, made once with its RoleBinding, owned by no job.
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    config = json.loads(pod["metadata"]["annotations"][CONFIG_ANNOTATION])
+    assert config["metadata"]["uid"] == uid
+    assert pod["spec"]["serviceAccountName"] == TRAINER
+    sa = apiserver.core.read_namespaced_service_account(TRAINER, namespace)
+    binding = apiserver.get("rolebinding", TRAINER, namespace)
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": TRAINER, "namespace": namespace}
+    ]
+    assert not sa.metadata.owner_references and not binding["metadata"].get("ownerReferences")
+    for gone in ("configmaps", "roles"):
+        kind = gone if gone == "configmaps" else "roles.rbac.authorization.k8s.io"
+        assert not apiserver.kubectl("get", kind, "-n", namespace, "-o", "name").stdout.strip()
     status = get_job(apiserver, namespace, "first")["status"]
     assert status["jobSetName"] == "first" and status["observedGeneration"] == 1
     assert status["outputs"]["checkpoints"] == "/outputs/run/checkpoints"
@@ -92,7 +115,8 @@ def test_creates_owned_objects_and_status(
         "Succeeded",
         "Failed",
     }
-    wait_for(lambda: "JobSetCreated" in events(apiserver, namespace, "first"), timeout=20)
+    wait_for(lambda: "Pending" in events(apiserver, namespace, "first"), timeout=20)
+    assert "JobSetCreated" not in events(apiserver, namespace, "first")  # the phase's Event says it
 
     # The JobSet runs, then completes: the phase follows, with conditions and events.
     set_jobset_status(apiserver, namespace, "first", RUNNING)
@@ -228,20 +252,22 @@ def test_invalid_job_without_webhook_fails_cleanly(
     wait_for(lambda: phase(apiserver, namespace, "fine") == "Pending", timeout=30)
 
 
-def test_trainer_role_patches_only_its_own_status(
-    apiserver: Cluster, namespace: str, operator: OperatorProcess
-):
-    from kubernetes import client
+@pytest.fixture(scope="module")
+def trainer_policy(apiserver: Cluster) -> None:
+    install_trainer_policy(apiserver)
 
+
+def test_trainer_patches_only_its_own_jobs_status(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess, trainer_policy, tmp_path
+):
+    """A trainer pod's own token (the namespace's trainer ServiceAccount, bound to a pod of
+    job `reporter`) patches reporter's status, and nothing else: not another job's status
+    (the status policy), not the job itself, nor anything in another namespace."""
     create_job(apiserver, namespace, "reporter")
     create_job(apiserver, namespace, "other")
     wait_for(lambda: len(jobsets(apiserver, namespace)) == 2, timeout=30)
-    token = apiserver.kubectl("create", "token", "reporter-trainer", "-n", namespace).stdout.strip()
-    cfg = client.Configuration()
-    admin = apiserver.api_client.configuration
-    cfg.host, cfg.ssl_ca_cert, cfg.verify_ssl = admin.host, admin.ssl_ca_cert, admin.verify_ssl
-    cfg.api_key = {"authorization": f"Bearer {token}"}
-    as_trainer = client.CustomObjectsApi(client.ApiClient(cfg))
+    pod = trainer_pod(apiserver, namespace, "reporter")
+    as_trainer = trainer_client(apiserver, namespace, pod, tmp_path)
     progress = {
         "step": 7,
         "totalSteps": 60,
@@ -250,18 +276,38 @@ def test_trainer_role_patches_only_its_own_status(
         "etaSeconds": 30,
         "lastCheckpointStep": 5,
     }
-    as_trainer.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, "reporter", {"status": {"progress": progress}}
+    body = {"status": {"progress": progress}}
+    assert patch_status(as_trainer, namespace, "reporter", body) == (200, "")
+    code, message = patch_status(as_trainer, namespace, "other", body)
+    assert code == 403 and "ValidatingAdmissionPolicy" in message, message
+    assert "may only patch the status of the job whose pod it runs in, not other" in message
+    assert "progress" not in (get_job(apiserver, namespace, "other").get("status") or {})
+    code, message = patch_status(
+        as_trainer, namespace, "reporter", {"spec": {"image": "x"}}, sub=""
     )
-    with pytest.raises(client.exceptions.ApiException) as denied:
-        as_trainer.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, "other", {"status": {"progress": progress}}
+    assert code == 403 and "cannot patch resource" in message, message
+    # Another namespace: RBAC grants nothing there; were it granted by mistake, the policy
+    # still refuses (the job of the same name there is not the pod's).
+    elsewhere = apiserver.create_namespace("elsewhere")
+    try:
+        apiserver.custom.create_namespaced_custom_object(
+            GROUP, VERSION, elsewhere, PLURAL, valid_job("reporter")
         )
-    assert denied.value.status == 403
-    with pytest.raises(client.exceptions.ApiException):
-        as_trainer.patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "reporter", {"spec": {"image": "x"}}
-        )
+        code, message = patch_status(as_trainer, elsewhere, "reporter", body)
+        assert code == 403 and "cannot patch resource" in message, message
+        apiserver.kubectl(
+            "create", "rolebinding", "mistake", "-n", elsewhere, "--clusterrole=posttrain-trainer",
+            f"--serviceaccount={namespace}:{TRAINER}",
+        )  # fmt: skip
+
+        def past_rbac() -> tuple[int, str] | None:  # once RBAC has the binding
+            code, message = patch_status(as_trainer, elsewhere, "reporter", body)
+            return (code, message) if "cannot patch resource" not in message else None
+
+        code, message = wait_for(past_rbac, timeout=20, what="RBAC to grant the mistake")
+        assert code == 403 and "may only patch a job in its own namespace" in message, message
+    finally:
+        apiserver.delete_namespace(elsewhere)
     # The operator's own status writes keep the trainer's progress.
     set_jobset_status(apiserver, namespace, "reporter", RUNNING)
     wait_for(lambda: phase(apiserver, namespace, "reporter") == "Running", timeout=30)
@@ -270,6 +316,87 @@ def test_trainer_role_patches_only_its_own_status(
         "get", "ptj", "reporter", "-n", namespace, "--no-headers"
     ).stdout.split()
     assert row[4:8] == ["Running", "7", "60", "2.5"]
+
+
+# Pod names a trainer's token may carry, and whether it may patch job `amb`'s status: only
+# a trainer pod of `amb` itself (replicated jobs node, slice, pathways-head), never a pod of
+# job `amb-node-0-0` whose name begins alike, a Pathways worker, or a token bound to no pod.
+POD_NAMES = [
+    ("amb-node-0-0-x7k2p", True),
+    ("amb-slice-3-1-x7k2p", True),
+    ("amb-pathways-head-0-0-x7k2p", True),
+    ("amb-node-0-0-node-0-0-x7k2p", False),
+    ("amb-worker-0-0-x7k2p", False),
+    ("amb-node-0-0", False),
+    ("amb-x-node-0-0-x7k2p", False),
+    ("other-node-0-0-x7k2p", False),
+    (None, False),
+]
+
+
+def test_status_policy_matches_one_job_by_pod_name(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess, trainer_policy
+):
+    """The trainer ServiceAccount impersonated with the pod-name user extra of a bound
+    token (`kubectl --as=... --as-user-extra=...`): the policy lets exactly the pods of
+    job `amb` patch amb's status. And what a trainer may do at all (SelfSubjectAccessReview
+    as it): patch jobs' status in its namespace, nothing else."""
+    create_job(apiserver, namespace, "amb")
+    create_job(apiserver, namespace, "amb-node-0-0")
+    wait_for(lambda: len(jobsets(apiserver, namespace)) == 2, timeout=30)
+    user = f"system:serviceaccount:{namespace}:{TRAINER}"
+    body = {"status": {"progress": {"step": 1}}}
+    wrong = []
+    for pod_name, allowed in POD_NAMES:
+        code, message = patch_status(
+            apiserver.api_client, namespace, "amb", body, impersonating(user, pod_name)
+        )
+        if (code == 200) != allowed or (not allowed and "ValidatingAdmissionPolicy" not in message):
+            wrong.append(f"{pod_name}: {code} {message}")
+    assert not wrong, "\n".join(wrong)
+    # Its own job's name begins another's: amb-node-0-0's pod patches only amb-node-0-0.
+    own = impersonating(user, "amb-node-0-0-node-0-0-x7k2p")
+    assert patch_status(apiserver.api_client, namespace, "amb-node-0-0", body, own)[0] == 200
+
+    def can(verb: str, resource: str, sub: str = "", group: str = GROUP, ns=namespace) -> bool:
+        attributes = {"verb": verb, "resource": resource, "group": group, "subresource": sub}
+        if ns:
+            attributes["namespace"] = ns
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attributes},
+        }
+        out = apiserver.kubectl(
+            "create",
+            "--validate=false",
+            "-f",
+            "-",
+            "-o",
+            "json",
+            f"--as={user}",
+            input=json.dumps(review),
+        )
+        return json.loads(out.stdout)["status"]["allowed"]
+
+    assert can("patch", PLURAL, "status")
+    denied = [
+        ("get", PLURAL, "status", GROUP, namespace),
+        ("update", PLURAL, "status", GROUP, namespace),
+        ("get", PLURAL, "", GROUP, namespace),
+        ("list", PLURAL, "", GROUP, namespace),
+        ("patch", PLURAL, "", GROUP, namespace),
+        ("delete", PLURAL, "", GROUP, namespace),
+        ("patch", PLURAL, "status", GROUP, "default"),
+        ("patch", "jobsets", "", "jobset.x-k8s.io", namespace),
+        ("get", "secrets", "", "", namespace),
+        ("create", "pods", "", "", namespace),
+        ("list", "pods", "", "", namespace),
+        ("create", "serviceaccounts", "token", "", namespace),
+        ("create", "events", "", "", namespace),
+        ("get", "configmaps", "", "", namespace),
+    ]
+    assert [d for d in denied if can(*d)] == []
 
 
 def test_standby_takes_over(apiserver: Cluster, namespace: str, tmp_path):
@@ -321,10 +448,10 @@ def test_kill_during_reconciliation_makes_no_duplicates(
         )
         names = sorted(j["metadata"]["name"] for j in jobsets(apiserver, namespace))
         assert names == [f"bulk-{i:02d}" for i in range(50)], f"killed after {partial}"
-        cms = apiserver.core.list_namespaced_config_map(
-            namespace, label_selector="posttrain.dev/job-name"
+        (sa,) = apiserver.core.list_namespaced_service_account(
+            namespace, label_selector="app.kubernetes.io/component=trainer"
         ).items
-        assert len(cms) == 50
+        assert sa.metadata.name == TRAINER
     finally:
         op.stop()
 
@@ -508,101 +635,101 @@ def operator_errors(op: OperatorProcess) -> float:
     )
 
 
-def foreign_objects(name: str) -> dict[str, dict]:
-    """Objects an attacker made before the job, with the names its objects will have and
-    no owner reference."""
-    meta = {"labels": {"posttrain.dev/job-name": name}}
-    attacker = json.dumps({"spec": {"model": {"source": "gs://attacker/model"}}})
+def foreign_jobset(name: str) -> dict:
+    """A JobSet an attacker made before the job, with the name the job's will have and no
+    owner reference."""
     return {
-        "ServiceAccount": {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": f"{name}-trainer", **meta},
-        },
-        "Role": {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": {"name": f"{name}-trainer", **meta},
-            "rules": [],
-        },
-        "RoleBinding": {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": f"{name}-trainer", **meta},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "x"},
-            "subjects": [{"kind": "ServiceAccount", "name": f"{name}-trainer"}],
-        },
-        "ConfigMap": {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": f"{name}-config", **meta},
-            "data": {"job.json": attacker},
-        },
-        "JobSet": {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2",
-            "kind": "JobSet",
-            "metadata": {"name": name, **meta},
-            "spec": {
-                "suspend": True,
-                "replicatedJobs": [
-                    {
-                        "name": "node",
-                        "template": {
-                            "spec": {
-                                "template": {
-                                    "spec": {
-                                        "restartPolicy": "Never",
-                                        "containers": [{"name": "c", "image": "attacker"}],
-                                    }
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "labels": {"posttrain.dev/job-name": name}},
+        "spec": {
+            "suspend": True,
+            "replicatedJobs": [
+                {
+                    "name": "node",
+                    "template": {
+                        "spec": {
+                            "template": {
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "containers": [{"name": "c", "image": "attacker"}],
                                 }
                             }
-                        },
-                    }
-                ],
-            },
+                        }
+                    },
+                }
+            ],
         },
     }
 
 
-def test_foreign_objects_are_never_used(apiserver: Cluster, namespace: str, operator):
-    kinds = ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "JobSet"]
-    planted = {}
-    for kind in kinds:
-        name = f"victim-{kind.lower()}"
-        obj = foreign_objects(name)[kind]
-        apiserver.apply(obj, namespace)
-        planted[kind] = apiserver.get(kind, obj["metadata"]["name"], namespace)
-    for kind in kinds:
-        create_job(apiserver, namespace, f"victim-{kind.lower()}")
-    for kind in kinds:
-        job, obj = f"victim-{kind.lower()}", planted[kind]
-        failed = wait_for(
-            lambda job=job: failed_condition(apiserver, namespace, job),
-            timeout=30,
-            what=f"{job} failed",
-            describe=operator.logs,
-        )
-        message = get_job(apiserver, namespace, job)["status"]["message"]
-        assert failed["reason"] == "ForeignObject", failed
-        assert f"{kind} {obj['metadata']['name']} already exists and is not owned" in message
-        assert "jobSetName" not in get_job(apiserver, namespace, job)["status"]
-        # Not adopted: the planted object is as it was, owned by no one.
-        now = apiserver.get(kind, obj["metadata"]["name"], namespace)
-        assert now["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"], kind
-        assert not now["metadata"].get("ownerReferences")
-        wait_for(lambda job=job: event_messages(apiserver, namespace, job, "ForeignObject"))
-    # Nothing of the jobs mounts or runs as a planted object: the only JobSet is the
-    # attacker's own, unchanged.
-    (js,) = jobsets(apiserver, namespace)
-    assert js["metadata"]["uid"] == planted["JobSet"]["metadata"]["uid"]
+def test_foreign_jobset_is_never_used(apiserver: Cluster, namespace: str, operator):
+    obj = foreign_jobset("victim")
+    apiserver.apply(obj, namespace)
+    planted = apiserver.get("JobSet", "victim", namespace)
+    create_job(apiserver, namespace, "victim")
+    failed = wait_for(
+        lambda: failed_condition(apiserver, namespace, "victim"),
+        timeout=30,
+        what="victim failed",
+        describe=operator.logs,
+    )
+    message = get_job(apiserver, namespace, "victim")["status"]["message"]
+    assert failed["reason"] == "ForeignObject", failed
+    assert "JobSet victim already exists and is not owned" in message
+    assert "jobSetName" not in get_job(apiserver, namespace, "victim")["status"]
+    # Not adopted: the planted JobSet is as it was, owned by no one.
+    now = apiserver.get("JobSet", "victim", namespace)
+    assert now["metadata"]["resourceVersion"] == planted["metadata"]["resourceVersion"]
+    assert not now["metadata"].get("ownerReferences")
+    wait_for(lambda: event_messages(apiserver, namespace, "victim", "ForeignObject"))
+
+
+def test_trainer_access_already_there(apiserver: Cluster, namespace: str, operator):
+    """A trainer ServiceAccount an admin made (say with a Workload Identity annotation) is
+    used as it is; a RoleBinding of the trainer's name that grants something else is not:
+    the namespace's jobs fail saying so, and run once it is gone."""
+    sa = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": TRAINER, "annotations": {"iam.gke.io/gcp-service-account": "t@p"}},
+    }
+    apiserver.apply(sa, namespace)
+    planted_sa = apiserver.get("ServiceAccount", TRAINER, namespace)
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": TRAINER},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+        "subjects": [{"kind": "ServiceAccount", "name": TRAINER, "namespace": namespace}],
+    }
+    apiserver.apply(binding, namespace)
+    create_job(apiserver, namespace, "blocked")
+    failed = wait_for(
+        lambda: failed_condition(apiserver, namespace, "blocked"),
+        timeout=30,
+        what="blocked failed",
+        describe=operator.logs,
+    )
+    assert failed["reason"] == "ForeignObject", failed
+    message = get_job(apiserver, namespace, "blocked")["status"]["message"]
+    assert f"RoleBinding {TRAINER} already exists and does not bind ClusterRole" in message
+    assert jobsets(apiserver, namespace) == []
+    apiserver.kubectl("delete", "rolebinding", TRAINER, "-n", namespace)
+    create_job(apiserver, namespace, "unblocked")
+    wait_for(lambda: jobsets(apiserver, namespace), timeout=30, describe=operator.logs)
+    made = apiserver.get("rolebinding", TRAINER, namespace)
+    assert made["roleRef"]["name"] == "posttrain-trainer"
+    now = apiserver.get("ServiceAccount", TRAINER, namespace)
+    assert now["metadata"]["resourceVersion"] == planted_sa["metadata"]["resourceVersion"]
 
 
 def test_leftover_of_an_earlier_job_is_waited_for(
     apiserver: Cluster, namespace: str, operator: OperatorProcess
 ):
-    # An object of a deleted job of the same name (the garbage collector has not removed
+    # A JobSet of a deleted job of the same name (the garbage collector has not removed
     # it yet; this tier runs no garbage collector) is neither used nor a failure.
-    leftover = foreign_objects("again")["ConfigMap"]
+    leftover = foreign_jobset("again")
     leftover["metadata"]["ownerReferences"] = [
         {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -615,16 +742,23 @@ def test_leftover_of_an_earlier_job_is_waited_for(
     create_job(apiserver, namespace, "again")
     wait_for(lambda: phase(apiserver, namespace, "again") == "Pending", timeout=30)
     assert (
-        "waiting for the garbage collector to delete ConfigMap again-config"
+        "waiting for the garbage collector to delete JobSet again"
         in (get_job(apiserver, namespace, "again")["status"]["message"])
     )
     time.sleep(3)
-    assert jobsets(apiserver, namespace) == []
-    apiserver.kubectl("delete", "configmap", "again-config", "-n", namespace)
-    wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
-    cm = apiserver.core.read_namespaced_config_map("again-config", namespace)
+    (still,) = jobsets(apiserver, namespace)
+    assert (
+        still["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+            "image"
+        ]
+        == "attacker"
+    )
+    apiserver.kubectl("delete", "jobset", "again", "-n", namespace)
     uid = get_job(apiserver, namespace, "again")["metadata"]["uid"]
-    assert cm.metadata.owner_references[0].uid == uid
+    wait_for(
+        lambda: [j for j in jobsets(apiserver, namespace) if uid in str(j["metadata"])],
+        timeout=30,
+    )
 
 
 def throttled(apiserver: Cluster) -> float:
