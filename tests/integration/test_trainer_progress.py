@@ -1,6 +1,7 @@
 """The trainer reports progress into its PostTrainJob's status on a real API server,
-with the identity the operator gives its pods (a ServiceAccount whose Role allows
-patching this job's status only)."""
+with the identity the operator gives its pods: the namespace's trainer ServiceAccount,
+bound to the trainer ClusterRole, with a token bound to one of the job's pods (the
+chart's status policy lets it patch that job's status only)."""
 
 from __future__ import annotations
 
@@ -12,38 +13,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from operator_process import token_kubeconfig
+from trainer_access import install_trainer_policy, trainer_pod
 
 from posttrain.api.validate import validate
-from posttrain.render.objects import render_trainer_access
+from posttrain.render import RenderConfig
+from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
+from posttrain.render.objects import trainer_access
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "trainer"))
-
-
-def service_account_kubeconfig(apiserver: Cluster, namespace: str, sa: str, path: Path) -> Path:
-    token = apiserver.kubectl("create", "token", sa, "-n", namespace).stdout.strip()
-    admin = yaml.safe_load(apiserver.kubeconfig.read_text())
-    cluster = admin["clusters"][0]
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [cluster],
-                "users": [{"name": sa, "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": sa,
-                        "context": {"cluster": cluster["name"], "user": sa, "namespace": namespace},
-                    }
-                ],
-                "current-context": sa,
-            }
-        )
-    )
-    return path
 
 
 def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: Path):
@@ -69,10 +50,15 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
     )
     job, errors = validate(created)
     assert not errors
-    for obj in render_trainer_access(job):
+    install_trainer_policy(apiserver)
+    for obj in trainer_access(namespace, RenderConfig().trainer_cluster_role):
         apiserver.apply(obj, namespace)
-    kubeconfig = service_account_kubeconfig(
-        apiserver, namespace, "progress-trainer", tmp_path / "sa.kubeconfig"
+    kubeconfig = token_kubeconfig(
+        apiserver,
+        namespace,
+        TRAINER_SERVICE_ACCOUNT,
+        tmp_path / "sa.kubeconfig",
+        pod=trainer_pod(apiserver, namespace, "progress"),
     )
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(doc))

@@ -2,8 +2,9 @@
 the PostTrainJob's status.progress, written by process 0 only.
 
 In a pod the trainer knows its job from POSTTRAIN_JOB_NAME / POSTTRAIN_JOB_NAMESPACE and
-reaches the API server with the pod's ServiceAccount, whose Role allows patching this one
-job's status and nothing else. A failed status write never stops training.
+reaches the API server with the pod's token (the namespace's trainer ServiceAccount): it
+may patch the status of this one job, whose pod it runs in, and nothing else (the chart's
+trainer ClusterRole and status policy). A failed status write never stops training.
 """
 
 from __future__ import annotations
