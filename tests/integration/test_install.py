@@ -29,6 +29,7 @@ import pytest
 import yaml
 from invalid_jobs import valid_job
 from operator_process import OperatorProcess, token_kubeconfig
+from trainer_access import impersonating, patch_status
 
 import tests.unit.test_dockerfiles as dockerfiles
 from tests.cluster import Cluster, control_plane, unique_name, wait_for
@@ -252,6 +253,9 @@ def test_helm_install_creates_the_objects(apiserver: Cluster, release: Release) 
         apiserver.get(kind, name, ns)
     for kind in ("clusterrole", "clusterrolebinding", "validatingwebhookconfiguration"):
         apiserver.get(kind, full)
+    apiserver.get("clusterrole", f"{full}-trainer")
+    for kind in ("validatingadmissionpolicy", "validatingadmissionpolicybinding"):
+        apiserver.get(kind, f"{full}-trainer-status")
     deploy = apiserver.get("deployment", full, ns)
     c = deploy["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][:5] == ["operator", "--metrics-port", "8080", "--lease-namespace", ns]
@@ -296,14 +300,12 @@ ALLOWED = [
     ("watch", "jobsets.jobset.x-k8s.io", "-"),
     ("list", "posttrainjobs.posttrain.dev", "-"),
     ("watch", "posttrainjobs.posttrain.dev", "-"),
-    ("patch", "posttrainjobs.posttrain.dev", "other"),
     ("patch", "posttrainjobs.posttrain.dev/status", "other"),
-    ("get", "posttrainjobs.posttrain.dev/status", "other"),
     ("update", "posttrainjobs.posttrain.dev/finalizers", "other"),
-    ("create", "roles.rbac.authorization.k8s.io", "other"),
     ("create", "rolebindings.rbac.authorization.k8s.io", "other"),
+    ("get", "rolebindings.rbac.authorization.k8s.io", "other"),
     ("create", "serviceaccounts", "other"),
-    ("create", "configmaps", "other"),
+    ("get", "serviceaccounts", "other"),
     ("create", "events", "other"),
     ("patch", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
@@ -365,8 +367,14 @@ DENIED = [
     ("delete", "jobsets.jobset.x-k8s.io", "other"),
     ("delete", "posttrainjobs.posttrain.dev", "other"),
     ("update", "posttrainjobs.posttrain.dev/status", "other"),
-    ("update", "configmaps", "other"),
-    ("delete", "configmaps", "other"),
+    ("patch", "posttrainjobs.posttrain.dev", "other"),
+    ("get", "posttrainjobs.posttrain.dev/status", "other"),
+    ("create", "roles.rbac.authorization.k8s.io", "other"),
+    ("create", "configmaps", "other"),
+    ("get", "configmaps", "other"),
+    ("update", "serviceaccounts", "other"),
+    ("create", "serviceaccounts/token", "other"),
+    ("update", "rolebindings.rbac.authorization.k8s.io", "other"),
     ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io", "-"),
     ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io", "-"),
     ("update", "customresourcedefinitions.apiextensions.k8s.io", "-"),
@@ -374,7 +382,7 @@ DENIED = [
 ]
 
 
-SUBRESOURCES = ("status", "finalizers", "exec", "log", "pendingworkloads")
+SUBRESOURCES = ("status", "finalizers", "exec", "log", "pendingworkloads", "token")
 
 
 def can_i(apiserver: Cluster, release: Release, verb: str, resource: str, where: str) -> bool:
@@ -439,41 +447,27 @@ def _render_for(job: dict[str, Any]) -> list[dict[str, Any]]:
 def test_operator_creates_what_it_renders_as_its_serviceaccount(
     apiserver: Cluster, release: Release
 ) -> None:
-    """Impersonating the operator: create a real job's ServiceAccount, Role (granting
-    posttrainjobs/status get+patch: the escalation check), RoleBinding, ConfigMap and
-    JobSet, patch the job's status, take the Lease. Then what it must not do."""
+    """Impersonating the operator: create a namespace's trainer ServiceAccount and its
+    RoleBinding to the release's trainer ClusterRole (posttrainjobs/status patch: the
+    escalation check passes because the operator holds it), a real job's JobSet, patch the
+    job's status, take the Lease. Then what it must not do."""
+    from posttrain.render.objects import trainer_access
+
     ns = release.other
     job = apiserver.custom.create_namespaced_custom_object(
         GROUP, VERSION, ns, PLURAL, valid_job("rbac-proof")
     )
     as_op = f"--as={release.user}"
-    objs = _render_for(job)
-    assert [o["kind"] for o in objs] == [
-        "ServiceAccount",
-        "Role",
-        "RoleBinding",
-        "ConfigMap",
-        "JobSet",
-    ]
-    # Without `bind`, the operator's RoleBinding is checked against its Role, so the Role
-    # must exist first (the operator creates them in that order).
-    binding = json.dumps(objs[2])
-    proc = apiserver.kubectl("create", "-n", ns, as_op, "-f", "-", input=binding, check=False)
-    assert proc.returncode != 0 and "NotFound" in proc.stderr, proc.stderr
+    access = trainer_access(ns, f"{release.name}-posttrain-trainer")
+    objs = access + _render_for(job)
+    assert [o["kind"] for o in objs] == ["ServiceAccount", "RoleBinding", "JobSet"]
     for obj in objs:
         apiserver.kubectl("create", "-n", ns, as_op, "-f", "-", input=json.dumps(obj))
-    apiserver.kubectl(
-        "patch",
-        "posttrainjobs.posttrain.dev",
-        "rbac-proof",
-        "-n",
-        ns,
-        as_op,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": {"phase": "Pending", "message": "created by the operator's SA"}}),
-    )
+    # A PATCH as the operator sends it (kubectl patch would GET the status first, which
+    # the operator neither needs nor may).
+    status = {"status": {"phase": "Pending", "message": "created by the operator's SA"}}
+    as_operator = impersonating(release.user, None)
+    assert patch_status(apiserver.api_client, ns, "rbac-proof", status, as_operator)[0] == 200
     assert apiserver.get("ptj", "rbac-proof", ns)["status"]["phase"] == "Pending"
     lease = {
         "apiVersion": "coordination.k8s.io/v1",
@@ -487,13 +481,11 @@ def test_operator_creates_what_it_renders_as_its_serviceaccount(
     apiserver.kubectl("replace", as_op, "-f", "-", input=json.dumps(held))  # update
     apiserver.kubectl("delete", "lease", LEASE, "-n", release.namespace)  # as admin
 
-    # The escalation check bites: a Role granting what the operator lacks is refused.
-    greedy = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {"name": "greedy", "namespace": ns},
-        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
-    }
+    # The escalation check bites: a RoleBinding to a role granting what the operator
+    # lacks (here cluster-admin's everything) is refused, so it can only ever hand out
+    # the trainer's role.
+    greedy = trainer_access(ns, "cluster-admin")[1]
+    greedy["metadata"]["name"] = "greedy"
     proc = apiserver.kubectl("create", as_op, "-f", "-", input=json.dumps(greedy), check=False)
     assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc.stderr
     proc = apiserver.kubectl("get", "secrets", "-n", ns, as_op, check=False)
@@ -521,6 +513,7 @@ def test_operator_runs_under_the_chart_rbac(
         GROUP, VERSION, ns, PLURAL, valid_job("under-rbac")
     )
     op = OperatorProcess(kubeconfig, tmp_path, release.namespace, "-n", ns, identity="rbac")
+    op.env["POSTTRAIN_TRAINER_CLUSTER_ROLE"] = f"{release.name}-posttrain-trainer"
     op.start()
     try:
 
@@ -534,13 +527,14 @@ def test_operator_runs_under_the_chart_rbac(
         )
         lease = apiserver.get("lease", LEASE, release.namespace)
         assert lease["spec"]["holderIdentity"] == "rbac"
-        for kind in ("serviceaccount", "role", "rolebinding", "configmap"):
-            assert apiserver.kubectl("get", kind, "-n", ns, "-o", "name").stdout
+        binding = apiserver.get("rolebinding", "posttrain-trainer", ns)
+        assert binding["roleRef"]["name"] == f"{release.name}-posttrain-trainer"
+        apiserver.get("serviceaccount", "posttrain-trainer", ns)
         events = apiserver.kubectl(
             "get", "events", "-n", ns, "--field-selector=involvedObject.name=under-rbac",
             "-o", "jsonpath={.items[*].reason}",
         ).stdout  # fmt: skip
-        assert "JobSetCreated" in events, events
+        assert "Pending" in events, events
     finally:
         op.stop()
     logs = op.logs()
