@@ -114,15 +114,30 @@ class OperatorProcess:
             self._log.close()
 
 
-RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+RBAC_KINDS = {
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
+
+
+def chart_env(namespace: str) -> dict[str, str]:
+    """The operator's environment the chart sets that chart_identity(plane, namespace)
+    needs: the trainer ClusterRole of that release."""
+    return {"POSTTRAIN_TRAINER_CLUSTER_ROLE": f"{namespace}-posttrain-trainer"}
 
 
 def chart_identity(plane, namespace: str, path: Path) -> Path:
-    """Install the Helm chart's ServiceAccount and RBAC into `namespace` and write a
-    kubeconfig that authenticates as that ServiceAccount: the identity the operator has
-    when installed with the chart. The release is named after the namespace, so the
-    cluster-scoped ClusterRole and ClusterRoleBinding are this caller's alone (remove
-    them with drop_chart_identity)."""
+    """Install the Helm chart's ServiceAccount and RBAC (with the trainer ClusterRole and
+    status policy) into `namespace` and write a kubeconfig that authenticates as that
+    ServiceAccount: the identity the operator has when installed with the chart (run it
+    with chart_env(namespace)). The release is named after the namespace, so the
+    cluster-scoped objects are this caller's alone (remove them with
+    drop_chart_identity)."""
     import json
 
     import yaml
@@ -161,7 +176,7 @@ def drop_chart_identity(plane, namespace: str) -> None:
     """Delete the cluster-scoped RBAC chart_identity(plane, namespace, ...) made."""
     plane.kubectl(
         "delete",
-        "clusterrole,clusterrolebinding",
+        "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding",
         "-l",
         f"app.kubernetes.io/instance={namespace}",
         "--ignore-not-found",

@@ -1,13 +1,12 @@
-"""The trainer's identity as the operator gives it, on a real API server: the chart's
-trainer ClusterRole and status policy (`helm template` of charts/posttrain, so what ships
-is what is tested), a pod named as the Job controller names a job's trainer pod, and a
+"""The trainer's identity as the operator gives it, on a real API server: the trainer
+ClusterRole and status policy as shipped (manifests/base, the chart's with its defaults),
+a pod named as the Job controller names a job's trainer pod, and a
 token bound to it (as the kubelet's are: its user info carries the pod's name)."""
 
 from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -17,7 +16,7 @@ from invalid_jobs import valid_job
 from operator_process import token_kubeconfig
 
 from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
-from tests.cluster import control_plane, wait_for
+from tests.cluster import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
@@ -26,23 +25,15 @@ JOBS = "/apis/posttrain.dev/v1alpha1/namespaces/{namespace}/posttrainjobs/{name}
 
 
 def install_trainer_policy(plane) -> None:
-    """The chart's trainer ClusterRole posttrain-trainer (what the operator binds by
-    default) and its ValidatingAdmissionPolicy and binding; idempotent."""
-    text = subprocess.run(
-        [
-            str(control_plane.BIN_DIR / "helm"),
-            "template",
-            "posttrain",
-            str(ROOT / "charts/posttrain"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    """manifests/base's trainer ClusterRole posttrain-trainer (what the operator binds by
+    default) and its ValidatingAdmissionPolicy and binding (tests/unit/test_chart.py keeps
+    them the chart's), applied server-side as the operator guide's Kustomize install does,
+    so the two never conflict; idempotent."""
+    base = ROOT / "manifests" / "base"
     docs = [
         d
-        for d in yaml.safe_load_all(text)
+        for path in ("rbac.yaml", "trainer-policy.yaml")
+        for d in yaml.safe_load_all((base / path).read_text())
         if d
         and (
             d["kind"] in POLICY_KINDS
@@ -50,7 +41,7 @@ def install_trainer_policy(plane) -> None:
         )
     ]
     assert len(docs) == 3, [d["kind"] for d in docs]
-    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    plane.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
     # In force once a trainer's create (as system:masters too, past RBAC; dry run) is
     # refused by it: it names no job, and the policy lets a trainer only patch status.
     job = valid_job("policy-probe")

@@ -18,6 +18,7 @@ from guide_shell import guide_shell
 from invalid_jobs import valid_job
 from operator_process import (
     OperatorProcess,
+    chart_env,
     chart_identity,
     drop_chart_identity,
     token_kubeconfig,
@@ -33,7 +34,7 @@ COLUMNS = {"PHASE", "STEP", "TOTAL", "LOSS", "AGE"}
 
 def owned_objects(cluster: Cluster, namespace: str, job: str) -> str:
     return cluster.kubectl(
-        "get", "jobsets,configmaps,serviceaccounts,roles,rolebindings", "-n", namespace,
+        "get", "jobsets", "-n", namespace,
         "-l", f"posttrain.dev/job-name={job}", "-o", "name",
     ).stdout.strip()  # fmt: skip
 
@@ -56,7 +57,7 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
     release = cluster.create_namespace("posttrain-system")
     identity = chart_identity(cluster, release, tmp_path / "operator.kubeconfig")
     operator = OperatorProcess(identity, tmp_path, release, "-n", namespace)
-    operator.env.update(trainer_images(TRAINER))
+    operator.env.update(trainer_images(TRAINER) | chart_env(release))
     try:
         operator.start()
         with guide_shell(request, tmp_path, cluster) as guide:
@@ -68,7 +69,7 @@ def test_user_guide_on_a_cluster(cluster: Cluster, namespace: str, tmp_path: Pat
             wait_for(
                 lambda: not owned_objects(cluster, namespace, "qwen3-lora"),
                 timeout=90,
-                what="the job's JobSet, ConfigMap and RBAC to be removed with it",
+                what="the job's JobSet to be removed with it",
             )
     finally:
         operator.stop()

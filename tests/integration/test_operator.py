@@ -781,7 +781,7 @@ def test_throttling_api_server_loses_no_job(apiserver: Cluster, namespace: str, 
     system:masters, the tests' own identity."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from operator_process import chart_identity, drop_chart_identity
+    from operator_process import chart_env, chart_identity, drop_chart_identity
 
     from tests.cluster import control_plane
 
@@ -792,6 +792,7 @@ def test_throttling_api_server_loses_no_job(apiserver: Cluster, namespace: str, 
     kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
     restart("--max-requests-inflight=2", "--max-mutating-requests-inflight=1")
     op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
+    op.env.update(chart_env(namespace))
     names = [f"busy-{i:02d}" for i in range(40)]
     try:
         op.start()
