@@ -2,11 +2,13 @@
 
 All on one API server (etcd + kube-apiserver, no controllers: nothing else writes):
 
-(a) burst: N JobSets created directly by a client (the baseline), then N PostTrainJobs at
-    once with the operator running: the time until every JobSet exists and until every
-    job is fully reconciled (all its objects made, status written), each over the
-    baseline's time; the API server's CPU seconds per job over its CPU per direct JobSet
-    create; the operator's CPU seconds.
+(a) burst: N JobSets created directly by a client (the baseline), N PostTrainJobs with no
+    operator running (what the jobs' own creates cost, which the operator part includes),
+    then N PostTrainJobs at once with the operator running: the time until every JobSet
+    exists and until every job is fully reconciled (all its objects made, status
+    written), each over the baseline's time; the API server's CPU seconds per job over
+    its CPU per direct JobSet create, in all and less the jobs' own creates; the
+    operator's CPU seconds.
 (b) steady: with --present jobs in place, new jobs at --rate per second; p50/p99 of each
     job's create -> JobSet latency.
 (c) idle: with those jobs in place and nothing changing, requests per second the API
@@ -171,6 +173,17 @@ def run(plane, n: int, present: int, rate: float, steady: int, idle_s: float) ->
     out["base_cpu"] = cpu_seconds(apiserver) - cpu0
     seen.stop()
 
+    # (a) the jobs alone: the same PostTrainJobs, no operator (nothing reconciles them).
+    alone_ns = plane.create_namespace("bench-jobs")
+    seen = Seen(plane, JOBS, alone_ns, lambda _: True)
+    cpu0, start = cpu_seconds(apiserver), time.monotonic()
+    alone = jobs("job", n, alone_ns)
+    create(plane, alone_ns, JOBS, alone)
+    out["jobs_s"] = seen.wait([d["metadata"]["name"] for d in alone]) - start
+    out["jobs_cpu"] = cpu_seconds(apiserver) - cpu0
+    seen.stop()
+    plane.delete_namespace(alone_ns)
+
     # (a) the operator, N jobs at once.
     ns = plane.create_namespace("bench-op")
     op = OperatorProcess(plane.kubeconfig, Path("/tmp"), ns, "-n", ns, identity="bench").start()
@@ -300,17 +313,23 @@ def takeover(plane, op: OperatorProcess, ns: str, jobs_present: int) -> dict:
 def report(r: dict, n: int, present: int, rate: float) -> list[str]:
     load = lambda t: "/".join(f"{x:.2f}" for x in t)  # noqa: E731
     per_base, per_job = r["base_cpu"] / n, r["op_api_cpu"] / n
+    per_own = (r["op_api_cpu"] - r["jobs_cpu"]) / n
     return [
         f"machine: {os.cpu_count()} cores, load average (1/5/15 min) {load(r['load_before'])} "
         f"before, {load(r['load_after'])} after",
         f"(a) burst of {n}: baseline (client creates the JobSets) {r['base_s']:.1f}s, "
         f"API server CPU {r['base_cpu']:.1f}s ({per_base * 1000:.1f} ms per JobSet)",
+        f"    the PostTrainJobs alone (no operator): {r['jobs_s']:.1f}s "
+        f"({r['jobs_s'] / r['base_s']:.2f}x), API server CPU {r['jobs_cpu']:.1f}s "
+        f"({r['jobs_cpu'] / n * 1000:.1f} ms per job, {r['jobs_cpu'] / r['base_cpu']:.2f}x "
+        "a JobSet create)",
         f"    operator: all JobSets in {r['op_jobsets_s']:.1f}s "
         f"({r['op_jobsets_s'] / r['base_s']:.2f}x, target <= 2x), all reconciled in "
         f"{r['op_reconciled_s']:.1f}s ({r['op_reconciled_s'] / r['base_s']:.2f}x, target <= 3x); "
         f"create->JobSet p50 {r['burst_p50']:.1f}s p99 {r['burst_p99']:.1f}s",
         f"    API server CPU {r['op_api_cpu']:.1f}s ({per_job * 1000:.1f} ms per job, "
-        f"{per_job / per_base:.2f}x a JobSet create, target <= 2x); "
+        f"{per_job / per_base:.2f}x a JobSet create, target <= 2x; less the job's own "
+        f"create {per_own * 1000:.1f} ms, {per_own / per_base:.2f}x); "
         f"operator CPU {r['op_cpu']:.1f}s",
         f"(b) steady {rate:g} jobs/s with {present} present: create->JobSet "
         f"p50 {r['steady_p50']:.2f}s p99 {r['steady_p99']:.2f}s max {r['steady_max']:.2f}s "
