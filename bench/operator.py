@@ -19,6 +19,10 @@ All on one API server (etcd + kube-apiserver, no controllers: nothing else write
 
     python bench/operator.py --jobs 500 --present 1000 --rate 5
     python bench/operator.py --takeover-only --present 1000
+
+With --write-costs instead: the API server's CPU for each kind of write a job costs
+(N JobSet creates, PostTrainJob creates, the operator's first status patches, Events),
+without the operator.
 """
 
 from __future__ import annotations
@@ -310,6 +314,65 @@ def takeover(plane, op: OperatorProcess, ns: str, jobs_present: int) -> dict:
     return out
 
 
+def write_costs(plane, n: int) -> list[str]:
+    """The API server's CPU per write, n of each kind, 16 client threads."""
+    import datetime
+
+    from kubernetes import client
+
+    from posttrain.api.spec import Phase
+    from posttrain.controller.phase import Observation, observation_patch
+
+    apiserver = local.control_plane._pid("kube-apiserver")
+    ns = plane.create_namespace("bench-writes")
+    docs = jobs("job", n, ns)
+    jobsets = [render(validate(d)[0])[-1] for d in docs]
+    custom, core = client.CustomObjectsApi(plane.api_client), client.CoreV1Api(plane.api_client)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    waiting = Observation(Phase.pending, "WaitingForPods", "waiting for pods to start")
+    status = observation_patch(waiting, docs[0]["spec"], {}, now, 1) | {"jobSetName": "x"}
+
+    def each(fn: Callable) -> Callable:
+        return lambda: list(ThreadPoolExecutor(16).map(fn, docs))
+
+    def patch(doc: dict) -> None:
+        name = doc["metadata"]["name"]
+        custom.patch_namespaced_custom_object_status(
+            *JOBS[:2], ns, JOBS[2], name, {"status": status}
+        )
+
+    def event(doc: dict) -> None:
+        name = doc["metadata"]["name"]
+        ref = {"apiVersion": "/".join(JOBS[:2]), "kind": "PostTrainJob", "name": name}
+        body = {
+            "metadata": {"generateName": f"{name}."},
+            "involvedObject": {**ref, "namespace": ns},
+            "reason": "Pending",
+            "message": "waiting for pods to start",
+            "type": "Normal",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        core.create_namespaced_event(ns, body)
+
+    kinds = [
+        ("JobSet create", lambda: create(plane, ns, JOBSETS, jobsets)),
+        ("PostTrainJob create", lambda: create(plane, ns, JOBS, docs)),
+        ("the operator's first status patch", each(patch)),
+        ("Event create", each(event)),
+    ]
+    lines = [f"API server CPU per write, {n} of each (load {os.getloadavg()[0]:.2f}):"]
+    try:
+        for what, run_them in kinds:
+            cpu0 = cpu_seconds(apiserver)
+            run_them()
+            lines.append(f"    {what}: {(cpu_seconds(apiserver) - cpu0) / n * 1000:.1f} ms")
+    finally:
+        plane.delete_namespace(ns)
+    return lines
+
+
 def report(r: dict, n: int, present: int, rate: float) -> list[str]:
     load = lambda t: "/".join(f"{x:.2f}" for x in t)  # noqa: E731
     per_base, per_job = r["base_cpu"] / n, r["op_api_cpu"] / n
@@ -387,8 +450,15 @@ def main() -> int:
     parser.add_argument(
         "--takeover-only", action="store_true", help="only (e), with --present jobs"
     )
+    parser.add_argument("--write-costs", action="store_true", help="only each write's CPU")
     args = parser.parse_args()
     plane = local.start(full=False)
+    if args.write_costs:
+        try:
+            print("\n".join(write_costs(plane, args.jobs)))
+        finally:
+            local.stop(plane)
+        return 0
     try:
         if args.takeover_only:
             r = run_takeover(plane, args.present)
