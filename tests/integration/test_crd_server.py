@@ -1,8 +1,7 @@
 """The generated CRD and the rendered manifests against a real kube-apiserver.
 
-- every golden object (the JobSet) passes a
-  server-side dry-run create, so the renderer's output is valid against the real JobSet
-  CRD and core schemas;
+- every golden JobSet passes a server-side dry-run create, so the renderer's output is
+  valid against the real JobSet CRD and core schemas;
 - every invalid job that the CRD schema or its CEL rules should catch is refused, and the
   API server's message names the field;
 - kubectl shows the printer columns and `kubectl explain` the descriptions;
