@@ -96,21 +96,26 @@ class Seen:
         api = client.CustomObjectsApi(plane.api_client)
         while not self._stop:
             w = watch.Watch()
-            for event in w.stream(
-                api.list_namespaced_custom_object,
-                *kind[:2],
-                namespace,
-                kind[2],
-                timeout_seconds=1800,
-            ):
-                obj = event["object"]
-                name = obj["metadata"]["name"]
-                if event["type"] != "DELETED" and name not in self.times and ready(obj):
-                    with self.changed:
-                        self.times[name] = time.monotonic()
-                        self.changed.notify_all()
-                if self._stop:
-                    break
+            try:
+                for event in w.stream(
+                    api.list_namespaced_custom_object,
+                    *kind[:2],
+                    namespace,
+                    kind[2],
+                    timeout_seconds=1800,
+                ):
+                    obj = event["object"]
+                    name = obj["metadata"]["name"]
+                    if event["type"] != "DELETED" and name not in self.times and ready(obj):
+                        with self.changed:
+                            self.times[name] = time.monotonic()
+                            self.changed.notify_all()
+                    if self._stop:
+                        break
+            except client.exceptions.ApiException as e:  # a fresh plane: 429 while the
+                if e.status != 429:  # kind's storage initializes
+                    raise
+                time.sleep(1)
 
     def wait(self, names: list[str], timeout: float = 900) -> float:
         """The monotonic time the last of `names` was seen."""
