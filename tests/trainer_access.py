@@ -57,6 +57,16 @@ def install_trainer_policy(plane) -> None:
     wait_for(in_force, timeout=30, what="the trainer status policy to be in force")
 
 
+def remove_trainer_policy(plane) -> None:
+    """Delete what install_trainer_policy made (cluster-scoped: a later `helm install
+    posttrain` on this plane must not find them)."""
+    plane.kubectl(
+        "delete", "--ignore-not-found", "clusterrole/posttrain-trainer",
+        "validatingadmissionpolicy/posttrain-trainer-status",
+        "validatingadmissionpolicybinding/posttrain-trainer-status",
+    )  # fmt: skip
+
+
 def trainer_pod(plane, namespace: str, job: str, rjob: str = "node") -> dict[str, Any]:
     """A pod named as the Job controller names `job`'s first pod of replicated job
     `rjob`, running as the trainer ServiceAccount (no kubelet runs it here)."""

@@ -11,6 +11,7 @@ import base64
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 from invalid_jobs import valid_job
@@ -19,6 +20,7 @@ from trainer_access import (
     impersonating,
     install_trainer_policy,
     patch_status,
+    remove_trainer_policy,
     trainer_client,
     trainer_pod,
 )
@@ -253,8 +255,10 @@ def test_invalid_job_without_webhook_fails_cleanly(
 
 
 @pytest.fixture(scope="module")
-def trainer_policy(apiserver: Cluster) -> None:
+def trainer_policy(apiserver: Cluster) -> Iterator[None]:
     install_trainer_policy(apiserver)
+    yield
+    remove_trainer_policy(apiserver)
 
 
 def test_trainer_patches_only_its_own_jobs_status(

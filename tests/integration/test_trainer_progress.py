@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from operator_process import token_kubeconfig
-from trainer_access import install_trainer_policy, trainer_pod
+from trainer_access import install_trainer_policy, remove_trainer_policy, trainer_pod
 
 from posttrain.api.validate import validate
 from posttrain.render import RenderConfig
@@ -27,7 +28,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 
 
-def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: Path):
+@pytest.fixture
+def trainer_policy(apiserver: Cluster) -> Iterator[None]:
+    install_trainer_policy(apiserver)
+    yield
+    remove_trainer_policy(apiserver)
+
+
+def test_trainer_writes_progress(
+    apiserver: Cluster, namespace: str, tmp_path: Path, trainer_policy
+):
     from tiny_model import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "model")
@@ -50,7 +60,6 @@ def test_trainer_writes_progress(apiserver: Cluster, namespace: str, tmp_path: P
     )
     job, errors = validate(created)
     assert not errors
-    install_trainer_policy(apiserver)
     for obj in trainer_access(namespace, RenderConfig().trainer_cluster_role):
         apiserver.apply(obj, namespace)
     kubeconfig = token_kubeconfig(
