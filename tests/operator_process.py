@@ -128,7 +128,9 @@ RBAC_KINDS = {
 def chart_env(namespace: str) -> dict[str, str]:
     """The operator's environment the chart sets that chart_identity(plane, namespace)
     needs: the trainer ClusterRole of that release."""
-    return {"POSTTRAIN_TRAINER_CLUSTER_ROLE": f"{namespace}-posttrain-trainer"}
+    # The chart's fullname: the release's name when it holds the chart's, as Helm's does.
+    fullname = namespace if "posttrain" in namespace else f"{namespace}-posttrain"
+    return {"POSTTRAIN_TRAINER_CLUSTER_ROLE": f"{fullname[:63].rstrip('-')}-trainer"}
 
 
 def chart_identity(plane, namespace: str, path: Path) -> Path:
