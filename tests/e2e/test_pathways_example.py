@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from operator_process import OperatorProcess, trainer_images
+from operator_process import OperatorProcess, chart_env, trainer_images
 
 from tests.cluster import Cluster, cpu_node, tpu_slice_nodes, wait_for
 from tests.e2e.test_operator_e2e import operator_identity  # noqa: F401 (a fixture)
@@ -44,7 +44,7 @@ def slow_operator(cluster: Cluster, namespace: str, operator_identity, tmp_path)
     pod running for a few seconds (scripts/control-plane/kwok-stages.yaml)."""
     kubeconfig, release_ns = operator_identity
     op = OperatorProcess(kubeconfig, tmp_path, release_ns, "-n", namespace)
-    op.env.update(trainer_images("posttrain-trainer:slow"))
+    op.env.update(chart_env(release_ns), **trainer_images("posttrain-trainer:slow"))
     yield op.start()
     op.stop()
     assert "Forbidden" not in op.logs() and " 403" not in op.logs(), op.logs()
