@@ -588,6 +588,16 @@ def failed_condition(apiserver: Cluster, namespace: str, name: str) -> dict | No
     return {c["type"]: c for c in status["conditions"]}["Failed"]
 
 
+def wait_failed(apiserver: Cluster, namespace: str, name: str, operator) -> dict:
+    """The job's Failed condition, once the operator has failed it (within 30 s)."""
+    return wait_for(
+        lambda: failed_condition(apiserver, namespace, name),
+        timeout=30,
+        what=f"{name} failed",
+        describe=operator.logs,
+    )
+
+
 def event_messages(apiserver: Cluster, namespace: str, name: str, reason: str) -> list[str]:
     items = apiserver.core.list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={name}"
@@ -606,11 +616,7 @@ def test_jobset_the_api_server_refuses_fails_the_job_once(
     op.start()
     try:
         create_job(apiserver, namespace, "refused")
-        failed = wait_for(
-            lambda: failed_condition(apiserver, namespace, "refused"),
-            timeout=30,
-            describe=op.logs,
-        )
+        failed = wait_failed(apiserver, namespace, "refused", op)
         assert failed["reason"] == "InvalidSpec", failed
         message = get_job(apiserver, namespace, "refused")["status"]["message"]
         assert message.startswith("the API server refused JobSet refused: ")
@@ -672,12 +678,7 @@ def test_foreign_jobset_is_never_used(apiserver: Cluster, namespace: str, operat
     apiserver.apply(obj, namespace)
     planted = apiserver.get("JobSet", "victim", namespace)
     create_job(apiserver, namespace, "victim")
-    failed = wait_for(
-        lambda: failed_condition(apiserver, namespace, "victim"),
-        timeout=30,
-        what="victim failed",
-        describe=operator.logs,
-    )
+    failed = wait_failed(apiserver, namespace, "victim", operator)
     message = get_job(apiserver, namespace, "victim")["status"]["message"]
     assert failed["reason"] == "ForeignObject", failed
     assert "JobSet victim already exists and is not owned" in message
@@ -709,12 +710,7 @@ def test_trainer_access_already_there(apiserver: Cluster, namespace: str, operat
     }
     apiserver.apply(binding, namespace)
     create_job(apiserver, namespace, "blocked")
-    failed = wait_for(
-        lambda: failed_condition(apiserver, namespace, "blocked"),
-        timeout=30,
-        what="blocked failed",
-        describe=operator.logs,
-    )
+    failed = wait_failed(apiserver, namespace, "blocked", operator)
     assert failed["reason"] == "ForeignObject", failed
     message = get_job(apiserver, namespace, "blocked")["status"]["message"]
     assert f"RoleBinding {TRAINER} already exists and does not bind ClusterRole" in message
