@@ -724,6 +724,43 @@ def test_trainer_access_already_there(apiserver: Cluster, namespace: str, operat
     assert now["metadata"]["resourceVersion"] == planted_sa["metadata"]["resourceVersion"]
 
 
+def test_missing_trainer_cluster_role_is_in_the_status(
+    apiserver: Cluster, namespace: str, tmp_path
+):
+    """An operator installed by the chart whose trainer ClusterRole is missing cannot
+    bind the namespace's trainers to it (the API server answers 404): the job waits,
+    Pending, its status naming the ClusterRole, and gets its JobSet once the ClusterRole
+    is there."""
+    from operator_process import chart_env, chart_identity, drop_chart_identity
+
+    kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
+    cluster_role = chart_env(namespace)["POSTTRAIN_TRAINER_CLUSTER_ROLE"]
+    apiserver.kubectl("delete", "clusterrole", cluster_role)
+    op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
+    op.env.update(chart_env(namespace))
+    try:
+        op.start()
+        create_job(apiserver, namespace, "no-access")
+        status = wait_for(
+            lambda: get_job(apiserver, namespace, "no-access").get("status") or None,
+            timeout=30,
+            what="a status",
+            describe=op.logs,
+        )
+        assert status["phase"] == "Pending", status
+        (waiting,) = [c for c in status["conditions"] if c["reason"] == "WaitingForTrainerAccess"]
+        assert f"ClusterRole {cluster_role} missing" in status["message"], status
+        assert f'"{cluster_role}" not found' in waiting["message"], waiting
+        assert jobsets(apiserver, namespace) == []
+        chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
+        wait_for(lambda: jobsets(apiserver, namespace), timeout=60, describe=op.logs)
+        made = apiserver.get("rolebinding", TRAINER, namespace)
+        assert made["roleRef"]["name"] == cluster_role
+    finally:
+        op.stop()
+        drop_chart_identity(apiserver, namespace)
+
+
 def test_leftover_of_an_earlier_job_is_waited_for(
     apiserver: Cluster, namespace: str, operator: OperatorProcess
 ):

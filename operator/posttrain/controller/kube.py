@@ -44,9 +44,9 @@ THROTTLED_RETRIES = 5
 class Retry(Exception):
     """A call that may succeed later: retry after about `delay` seconds."""
 
-    def __init__(self, message: str, delay: float = 1.0):
+    def __init__(self, message: str, delay: float = 1.0, status: int | None = None):
         super().__init__(message)
-        self.delay = delay
+        self.delay, self.status = delay, status  # status: the API server's answer, if any
 
 
 class NotLeader(Retry):
@@ -61,15 +61,33 @@ LEADING = threading.Event()
 class Refused(Exception):
     """Creating one of a job's objects cannot succeed by retrying: the API server refused
     it, or an object of that name exists that the job does not own. `reason` is the
-    job's condition reason, str(self) the one-line message."""
+    job's condition reason, str(self) the one-line message, `status` the API server's
+    answer (None for an object in the way)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, status: int | None = None):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.status = reason, status
 
 
-class Leftover(Retry):
+class Waiting(Retry):
+    """A retry the job's status explains meanwhile (Pending, `reason`, the message): what
+    it waits for is outside the job, and may take a while."""
+
+    reason = "Waiting"
+
+
+class Leftover(Waiting):
     """An object of the job's name is left from a deleted job of the same name."""
+
+    reason = "WaitingForLeftover"
+
+
+class NoTrainerAccess(Waiting):
+    """The namespace's trainer ServiceAccount or RoleBinding cannot be made (the trainer
+    ClusterRole is missing, or the operator may not bind it): the installation's to fix,
+    not the job's."""
+
+    reason = "WaitingForTrainerAccess"
 
 
 @functools.cache
@@ -140,6 +158,7 @@ def retry(e: Exception, what: str) -> Retry:
         return Retry(
             f"{what}: {e.status} {server_message(e)}",
             _seconds((e.headers or {}).get("Retry-After")),
+            status=e.status,
         )
     return Retry(f"{what}: {e}", 2.0)
 
@@ -207,7 +226,9 @@ def create_or_get(namespace: str, obj: dict[str, Any]) -> tuple[dict[str, Any], 
         if e.status == 403 and "exceeded quota" in message:
             raise Retry(f"{kind} {name}: {message}", delay=30) from e
         if e.status and 400 <= e.status < 500 and e.status not in RETRIABLE_4XX:
-            raise Refused("InvalidSpec", f"the API server refused {kind} {name}: {message}") from e
+            raise Refused(
+                "InvalidSpec", f"the API server refused {kind} {name}: {message}", e.status
+            ) from e
         raise retry(e, f"create {kind} {name}") from e
     except urllib3.exceptions.HTTPError as e:
         raise retry(e, f"create {kind} {name}") from e

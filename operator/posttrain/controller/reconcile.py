@@ -166,9 +166,8 @@ def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
     except kube.Refused as e:
         _write_status(job, _fail(job, e.reason, str(e)), result)
         return None
-    except kube.Leftover as e:
-        waiting = Observation(Phase.pending, "WaitingForLeftover", str(e))
-        _write_status(job, _observed(job, waiting), result)
+    except kube.Waiting as e:
+        _write_status(job, _observed(job, Observation(Phase.pending, e.reason, str(e))), result)
         raise
     result.jobset = jobset_summary(stored)
     if created:  # no Event of its own: the job's new phase (Pending) has one

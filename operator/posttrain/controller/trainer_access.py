@@ -31,8 +31,10 @@ def _fresh(namespace: str) -> bool:
 
 def ensure(namespace: str, cluster_role: str) -> None:
     """Make the namespace's trainer access unless it was made or found lately. Raises
-    kube.Refused when an object of its name cannot serve (or the server refuses one),
-    kube.Retry for what a retry may fix."""
+    kube.Refused when an object of its name cannot serve (or the server refuses one as
+    invalid), kube.NoTrainerAccess when the server refuses it for the installation's
+    sake (the trainer ClusterRole is missing: 404; the operator may not bind it: 403),
+    kube.Retry for the rest of what a retry may fix."""
     if _fresh(namespace):
         return
     with _guard:
@@ -41,8 +43,17 @@ def ensure(namespace: str, cluster_role: str) -> None:
         if _fresh(namespace):
             return
         wanted = trainer_access(namespace, cluster_role)
-        # One round trip: a RoleBinding may name a ServiceAccount that is not there yet.
-        for obj, (stored, created) in zip(wanted, kube.create_all(namespace, wanted), strict=True):
+        try:  # One round trip: a RoleBinding may name a ServiceAccount not there yet.
+            made = kube.create_all(namespace, wanted)
+        except (kube.Refused, kube.Retry) as e:
+            if e.status not in (403, 404):
+                raise
+            raise kube.NoTrainerAccess(
+                f"trainer ClusterRole {cluster_role} missing or not bindable by the operator "
+                f"(install the chart's, or set POSTTRAIN_TRAINER_CLUSTER_ROLE); {e}",
+                delay=5,
+            ) from e
+        for obj, (stored, created) in zip(wanted, made, strict=True):
             if not created and (problem := access_problem(stored, obj)):
                 raise kube.Refused("ForeignObject", problem)
         _checked[namespace] = time.monotonic()
