@@ -193,3 +193,22 @@ def test_series_follow_the_job_and_go_with_it() -> None:
     metrics.forget_job("uid-gauges")  # deleted
     assert sample(entered, **labels, phase="Running") is None
     assert sample("posttrain_job_restarts", **labels) is None
+
+
+def test_jobs_by_phase_counts_each_job_once() -> None:
+    def counts() -> dict[str, float | None]:
+        return {p: sample("posttrain_jobs", phase=p) for p in ("Pending", "Running", "Failed")}
+
+    before = counts()
+    metrics.observe_job("uid-count-a", "Pending")
+    metrics.observe_job("uid-count-a", "Pending")  # the same job again: counted once
+    metrics.observe_job("uid-count-b", "Pending")
+    metrics.observe_job("uid-count-b", "Running")
+    after = counts()
+    assert after["Pending"] == before["Pending"] + 1
+    assert after["Running"] == before["Running"] + 1
+    assert after["Failed"] == before["Failed"] is not None  # every phase has a series
+    metrics.forget_job("uid-count-a")
+    metrics.forget_job("uid-count-b")
+    metrics.forget_job("uid-count-b")  # gone already: no change
+    assert counts() == before

@@ -22,6 +22,8 @@ RECONCILES = Counter("posttrain_reconciles_total", "Handler invocations", ["hand
 ERRORS = Counter("posttrain_reconcile_errors_total", "Handler invocations that raised", ["handler"])
 LATENCY = Histogram("posttrain_reconcile_seconds", "Handler latency", ["handler"])
 JOBS = Gauge("posttrain_jobs", "PostTrainJobs by phase", ["phase"])
+for _phase in ("Pending", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"):
+    JOBS.labels(_phase).set(0)
 LEADER = Gauge("posttrain_leader", "1 while this replica holds the leader Lease")
 JOB_LABELS = ["job_namespace", "job_name"]
 PHASE_ENTERED = Gauge(
@@ -59,6 +61,7 @@ class JobSeries:
 
 
 _phases: dict[str, str] = {}
+_counts: Tally[str] = Tally()
 _series: dict[str, JobSeries] = {}
 _lock = threading.Lock()
 
@@ -121,10 +124,12 @@ def job_series(
     )
 
 
-def _publish() -> None:
-    counts = Tally(_phases.values())
-    for phase in ("Pending", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"):
-        JOBS.labels(phase).set(counts.get(phase, 0))
+def _count(phase: str | None, change: int) -> None:
+    """Move the posttrain_jobs gauge of `phase` by `change` (kept as counts: an event
+    costs the same however many jobs there are)."""
+    if phase is not None:
+        _counts[phase] += change
+        JOBS.labels(phase).set(_counts[phase])
 
 
 def _drop_series(old: JobSeries) -> None:
@@ -153,8 +158,10 @@ def _set_series(uid: str, new: JobSeries | None) -> None:
 
 def observe_job(uid: str, phase: str) -> None:
     with _lock:
-        _phases[uid] = phase
-        _publish()
+        old, _phases[uid] = _phases.get(uid), phase
+        if old != phase:
+            _count(old, -1)
+            _count(phase, +1)
 
 
 def observe_job_series(body: dict[str, Any]) -> None:
@@ -166,9 +173,8 @@ def observe_job_series(body: dict[str, Any]) -> None:
 
 def forget_job(uid: str) -> None:
     with _lock:
-        _phases.pop(uid, None)
+        _count(_phases.pop(uid, None), -1)
         _set_series(uid, None)
-        _publish()
 
 
 class Heartbeat:

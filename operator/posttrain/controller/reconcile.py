@@ -16,6 +16,7 @@ import copy
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,7 @@ class Result:
     jobset: dict[str, Any] | None = None  # the JobSet after its create or patch
     events: list[Event] = field(default_factory=list)
     waiting: bool = False  # it waits in a Kueue queue
+    deferred: bool = False  # its JobSet was made, its status is left for the next reconcile
 
 
 def _fail(job: dict[str, Any], reason: str, message: str) -> Actions:
@@ -175,14 +177,24 @@ def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
     return result.jobset
 
 
-def apply(job: dict[str, Any], observed: Observed, result: Result) -> None:
+def apply(
+    job: dict[str, Any],
+    observed: Observed,
+    result: Result,
+    creates_waiting: Callable[[], bool] = lambda: False,
+) -> None:
     """Carry out what `decide` asks for (in a worker thread). Raises kube.Retry for what
-    a retry may fix."""
+    a retry may fix. Once it made the JobSet, the status is left for the next reconcile
+    (`result.deferred`) while `creates_waiting()`: in a burst of new jobs, the JobSet
+    creates go first and the API server spends nothing on statuses until they are done."""
     actions = decide(job, observed, _now())
     if actions.create:
         result.events.extend(actions.events)
         jobset = _children(job, result)
         if jobset is None:
+            return
+        if creates_waiting():
+            result.deferred = True
             return
         actions = decide(job, Observed(jobset, observed.pods, observed.workload), _now())
     meta = job["metadata"]
@@ -208,14 +220,16 @@ def _record(key: Key, result: Result) -> None:
         Written.jobsets[key] = result.jobset
 
 
-def _run(key: Key, indexes: dict[str, Any], result: Result) -> dict[str, Any] | None:
+def _run(
+    key: Key, indexes: dict[str, Any], result: Result, creates_waiting: Callable[[], bool]
+) -> dict[str, Any] | None:
     """Gather and apply (in a worker thread); the job as gathered, None when it is gone."""
     gathered = gather(key, indexes)
     if gathered is None:
         return None
     job, observed = gathered
     result.waiting = waits_in_queue(observed.workload)
-    apply(job, observed, result)
+    apply(job, observed, result, creates_waiting)
     return job
 
 
@@ -228,7 +242,9 @@ async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None
     job = None
     start = time.monotonic()
     try:
-        job = await asyncio.get_running_loop().run_in_executor(_pool, _run, key, indexes, result)
+        job = await asyncio.get_running_loop().run_in_executor(
+            _pool, _run, key, indexes, result, queue.urgent_waiting
+        )
         if job is None:
             queue.drop(key)
             return
@@ -243,6 +259,8 @@ async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None
         raise
     else:
         queue.forget(key)
+        if result.deferred:  # its status next, after the JobSets that wait (not urgent)
+            queue.add(key)
         if result.waiting:
             queue.later(key, watches.POSITIONS.ttl)
     finally:

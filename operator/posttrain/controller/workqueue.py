@@ -6,7 +6,8 @@ already waiting is not queued twice, and one being reconciled runs once more aft
 timeout, a conflict), waiting `delay` or, when the errors repeat, twice as long as last
 time, up to MAX_BACKOFF; `forget(key)` resets that once a reconcile succeeds. Until a
 retry is due, events do not run the key sooner. Urgent keys (jobs whose JobSet is not
-made yet) are taken before the rest.
+made yet) are taken before the rest, and while any wait a reconcile that has just made
+a JobSet leaves that job's status for later (`reconcile.apply`).
 
 `start()` runs its workers, `pause()` cancels them at once and forgets every key (a
 replica that stops leading acts no more; the one that leads next queues every job).
@@ -65,6 +66,10 @@ class WorkQueue:
 
     async def stop(self) -> None:
         await asyncio.gather(*self.pause(), return_exceptions=True)
+
+    def urgent_waiting(self) -> bool:
+        """Whether urgent keys wait to be taken (safe to ask from any thread)."""
+        return bool(self._urgent)
 
     def __len__(self) -> int:
         return len(self._queued) + len(self._due)
