@@ -1,5 +1,6 @@
-"""The operator's cost per queued job: Kueue's visibility API is read per LocalQueue."""
+"""The operator's caches: jobs held packed, Kueue's visibility API read per LocalQueue."""
 
+from posttrain.controller import watches
 from posttrain.controller.watches import QueuePositions
 
 SUMMARY = {
@@ -50,3 +51,22 @@ def test_a_workload_not_listed_yet_is_asked_for_again_after_retry():
     assert positions.get("team", "tpu", "jobset-a-1") == (1, 3)
     assert positions.get("team", "tpu", "jobset-b-1") == (2, 4)  # listed: no read
     assert asked == ["tpu", "tpu"]
+
+
+def test_a_packed_job_reads_back_whole_and_as_a_fresh_copy():
+    body = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u", "resourceVersion": "7"},
+        "spec": {"model": {"id": "hf://m"}, "training": {"steps": 3}},
+        "status": {"phase": "Pending", "conditions": [{"type": "Running", "status": "False"}]},
+    }
+    summary = watches.job_summary(body)
+    stored = watches.packed(summary)
+    assert isinstance(stored, bytes) and len(stored) < len(repr(summary))
+    indexes = {"job_index": {("ns", "j"): [stored]}}
+    first = watches.job(indexes, "ns", "j")
+    assert first == summary
+    first["status"]["phase"] = "Running"  # a reconcile's changes stay its own
+    assert watches.job(indexes, "ns", "j") == summary
+    assert watches.job(indexes, "ns", "other") is None

@@ -72,9 +72,9 @@ class Queue:
             queue.pause()
             return
         queue.start()
-        jobs = cls.indexes.get("job_index") or {}
-        for key in list(jobs):
-            for job in jobs.get(key, ()):
+        for key in list(cls.indexes.get("job_index") or {}):
+            job = watches.job(cls.indexes, *key)
+            if job is not None:
                 queue.add(key, urgent=not (job.get("status") or {}).get("jobSetName"))
 
 

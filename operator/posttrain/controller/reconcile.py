@@ -110,7 +110,8 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
         pods=tuple(watches.pods(indexes, namespace, name)),
         workload=watches.workload(indexes, namespace, jobset),
     )
-    return copy.deepcopy(job), observed
+    # The index's copy is the caller's own; what a write returned is shared with Written.
+    return (job if job is seen else copy.deepcopy(job)), observed
 
 
 @dataclass

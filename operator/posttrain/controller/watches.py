@@ -2,7 +2,7 @@
 reads instead of the API server.
 
 - jobs by (namespace, name): the job without what the operator never reads (managed
-  fields, annotations such as kubectl's last-applied copy);
+  fields, annotations such as kubectl's last-applied copy), as compact JSON (`packed`);
 - JobSets by (namespace, job name): `jobset_summary`, the few fields the phase, the
   ownership check and the scheduling fields need (not the pod templates);
 - a summary of each pod (`phase.pod_state`) by (namespace, job name): only pods with the
@@ -30,6 +30,7 @@ takes a JobSet that is not listed yet for a missing one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -127,9 +128,15 @@ def jobset_summary(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def packed(summary: dict[str, Any]) -> bytes:
+    """A job summary as compact JSON: the job index holds each job this way, a fifth of
+    the memory of the decoded dicts (and the event they came from is freed whole)."""
+    return json.dumps(summary, separators=(",", ":")).encode()
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
-async def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
-    return {(namespace, name): job_summary(dict(body))}
+async def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, bytes]:
+    return {(namespace, name): packed(job_summary(dict(body)))}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={JOB_NAME_LABEL: kopf.PRESENT})
@@ -184,8 +191,9 @@ def _values(index: kopf.Index | None, key: Key) -> list[Any]:
 
 
 def job(indexes: dict[str, Any], namespace: str, name: str) -> dict[str, Any] | None:
+    """The job's summary as last streamed (a fresh copy: the caller may change it)."""
     found = _values(indexes.get("job_index"), (namespace, name))
-    return found[0] if found else None
+    return json.loads(found[0]) if found else None
 
 
 def jobset(indexes: dict[str, Any], namespace: str, name: str, uid: str) -> dict[str, Any] | None:
