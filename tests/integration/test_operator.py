@@ -282,6 +282,16 @@ def test_trainer_patches_only_its_own_jobs_status(
     }
     body = {"status": {"progress": progress}}
     assert patch_status(as_trainer, namespace, "reporter", body) == (200, "")
+    # Of its own job's status only the progress: not the operator's fields.
+    wait_for(lambda: phase(apiserver, namespace, "reporter") == "Pending", timeout=30)
+    for forged in (
+        {"phase": "Succeeded"},
+        {"progress": progress, "message": "x"},
+        {"message": None},
+    ):
+        code, message = patch_status(as_trainer, namespace, "reporter", {"status": forged})
+        assert code == 403 and "may only change status.progress of its job" in message, message
+    assert phase(apiserver, namespace, "reporter") == "Pending"
     code, message = patch_status(as_trainer, namespace, "other", body)
     assert code == 403 and "ValidatingAdmissionPolicy" in message, message
     assert "may only patch the status of the job whose pod it runs in, not other" in message
