@@ -734,6 +734,34 @@ def test_trainer_access_already_there(apiserver: Cluster, namespace: str, operat
     assert now["metadata"]["resourceVersion"] == planted_sa["metadata"]["resourceVersion"]
 
 
+def test_trainer_access_is_made_again_once_the_namespaces_jobs_are_gone(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
+    """A namespace deleted and made again under the same name loses its trainer
+    ServiceAccount and RoleBinding with its jobs (simulated here: this tier runs no
+    namespace controller). Once the namespace's last job is gone the operator remembers
+    nothing of it: the next job gets them again at once, not after the 5-minute recheck."""
+
+    def access() -> bool:
+        found = apiserver.kubectl(
+            "get", "serviceaccount,rolebinding", TRAINER, "-n", namespace, check=False
+        )
+        return found.returncode == 0
+
+    create_job(apiserver, namespace, "first")
+    wait_for(lambda: jobsets(apiserver, namespace), timeout=30, describe=operator.logs)
+    assert access()
+    apiserver.kubectl("delete", "ptj", "first", "-n", namespace)
+    apiserver.kubectl("delete", "serviceaccount,rolebinding", TRAINER, "-n", namespace)
+    wait_for(
+        lambda: operator.metric("posttrain_jobs", 'phase="Pending"') == 0,
+        timeout=30,
+        what="the operator to see the job go",
+    )
+    create_job(apiserver, namespace, "second")
+    wait_for(access, timeout=30, what="the trainer access made again", describe=operator.logs)
+
+
 def test_missing_trainer_cluster_role_is_in_the_status(
     apiserver: Cluster, namespace: str, tmp_path
 ):

@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller import kube, metrics, reconcile, watches
+from posttrain.controller import kube, metrics, reconcile, trainer_access, watches
 from posttrain.controller.workqueue import WorkQueue
 from posttrain.render.jobset import JOB_NAME_LABEL
 
@@ -94,6 +94,8 @@ async def on_job_event(event: dict[str, Any], body: kopf.Body, **kwargs: Any) ->
         reconcile.Written.forget(key)
         if Queue.queue is not None:
             Queue.queue.drop(key)
+        if not any(ns == key[0] for ns, _ in kwargs.get("job_index") or ()):
+            trainer_access.forget(key[0])  # its last job (say, the namespace is deleted)
         return
     metrics.observe_job(meta["uid"], status.get("phase") or "Pending")
     metrics.observe_job_series(dict(body))

@@ -3,9 +3,11 @@ made before the first JobSet there and shared by every job in it, so a job's onl
 before its JobSet is the JobSet.
 
 What was made (or found usable) is remembered per namespace for ACCESS_TTL seconds, then
-looked at again on the next job's create: one that was deleted (by hand, or with its
-namespace) is made again within that time, and the Job controller retries the pods it
-could not create meanwhile. One thread at a time per namespace: a burst of jobs in a new
+looked at again on the next job's create: one that was deleted by hand is made again
+within that time, and the Job controller retries the pods it could not create meanwhile.
+Once a namespace's last job is gone (`forget`; so when the namespace is deleted) nothing
+is remembered of it: a namespace made again with the same name gets its access with its
+first job. One thread at a time per namespace: a burst of jobs in a new
 namespace makes them once.
 """
 
@@ -57,3 +59,8 @@ def ensure(namespace: str, cluster_role: str) -> None:
             if not created and (problem := access_problem(stored, obj)):
                 raise kube.Refused("ForeignObject", problem)
         _checked[namespace] = time.monotonic()
+
+
+def forget(namespace: str) -> None:
+    """The namespace has no job left: its access is looked at again with the next one."""
+    _checked.pop(namespace, None)
