@@ -523,9 +523,16 @@ def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, opera
     visibility API (read per LocalQueue, not per job: tests/unit/test_watches.py)."""
     queue = cluster.tpu_queue(namespace, "tpu", chips=0)
     try:
-        for name in ("first", "second"):
-            tpu_job(cluster, namespace, name, "posttrain-trainer:slow", queue="tpu")
-            time.sleep(1)  # Kueue orders equal priorities by creation time (seconds)
+        tpu_job(cluster, namespace, "first", "posttrain-trainer:slow", queue="tpu")
+        # Kueue orders equal priorities by their Workloads' creation times, in whole
+        # seconds: the second job's comes over a second after the first's.
+        wait_for(
+            lambda: cluster.kubectl("get", "workloads", "-n", namespace, "-o", "name").stdout,
+            timeout=30,
+            what="the first job's Workload",
+        )
+        time.sleep(1.1)
+        tpu_job(cluster, namespace, "second", "posttrain-trainer:slow", queue="tpu")
         first = wait_row(
             cluster, namespace, "first", "position 1:", kinds="posttrainjobs,workloads"
         )
