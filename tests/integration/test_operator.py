@@ -15,7 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 from invalid_jobs import valid_job
-from operator_process import OperatorProcess, free_port
+from operator_process import (
+    OperatorProcess,
+    chart_env,
+    chart_identity,
+    drop_chart_identity,
+    free_port,
+)
 from trainer_access import (
     impersonating,
     install_trainer_policy,
@@ -39,6 +45,15 @@ def operator(apiserver: Cluster, namespace: str, tmp_path):
     op = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace).start()
     yield op
     op.stop()
+
+
+def chart_operator(apiserver: Cluster, namespace: str, tmp_path) -> OperatorProcess:
+    """An operator (not started) with the Helm chart's identity and environment in
+    `namespace` (remove the chart's cluster-scoped RBAC with drop_chart_identity)."""
+    kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
+    op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
+    op.env.update(chart_env(namespace))
+    return op
 
 
 def create_job(apiserver: Cluster, namespace: str, name: str, **spec_changes) -> dict:
@@ -769,13 +784,9 @@ def test_missing_trainer_cluster_role_is_in_the_status(
     bind the namespace's trainers to it (the API server answers 404): the job waits,
     Pending, its status naming the ClusterRole, and gets its JobSet once the ClusterRole
     is there."""
-    from operator_process import chart_env, chart_identity, drop_chart_identity
-
-    kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
-    cluster_role = chart_env(namespace)["POSTTRAIN_TRAINER_CLUSTER_ROLE"]
+    op = chart_operator(apiserver, namespace, tmp_path)
+    cluster_role = op.env["POSTTRAIN_TRAINER_CLUSTER_ROLE"]
     apiserver.kubectl("delete", "clusterrole", cluster_role)
-    op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
-    op.env.update(chart_env(namespace))
     try:
         op.start()
         create_job(apiserver, namespace, "no-access")
@@ -856,18 +867,14 @@ def test_throttling_api_server_loses_no_job(apiserver: Cluster, namespace: str, 
     system:masters, the tests' own identity."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from operator_process import chart_env, chart_identity, drop_chart_identity
-
     from tests.cluster import control_plane
 
     def restart(*flags: str) -> None:
         control_plane._stop("kube-apiserver")
         control_plane._start_apiserver(control_plane.State.load(), flags)
 
-    kubeconfig = chart_identity(apiserver, namespace, tmp_path / "operator.kubeconfig")
+    op = chart_operator(apiserver, namespace, tmp_path)
     restart("--max-requests-inflight=2", "--max-mutating-requests-inflight=1")
-    op = OperatorProcess(kubeconfig, tmp_path, namespace, "-n", namespace, identity="t")
-    op.env.update(chart_env(namespace))
     names = [f"busy-{i:02d}" for i in range(40)]
     try:
         op.start()

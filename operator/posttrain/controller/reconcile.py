@@ -182,7 +182,7 @@ def apply(
     job: dict[str, Any],
     observed: Observed,
     result: Result,
-    creates_waiting: Callable[[], bool] = lambda: False,
+    creates_waiting: Callable[[], bool],
 ) -> None:
     """Carry out what `decide` asks for (in a worker thread). Raises kube.Retry for what
     a retry may fix. Once it made the JobSet, the status is left for the next reconcile
