@@ -5,7 +5,8 @@
 - every invalid job that the CRD schema or its CEL rules should catch is refused, and the
   API server's message names the field;
 - kubectl shows the printer columns and `kubectl explain` the descriptions;
-- immutable fields are refused on update while suspend may change.
+- immutable fields are refused on update (by the admission policy that comes in the
+  CRD's file) while suspend may change.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def test_explain_reads_descriptions(apiserver: Cluster):
 
 
 def test_immutable_fields_refused_mutable_ones_allowed(apiserver: Cluster, namespace: str):
-    _create(apiserver, valid_job("immutable"), namespace)
+    job = valid_job("immutable")
+    job["spec"]["image"] = "registry.example.com/posttrain-trainer:1.0"
+    _create(apiserver, job, namespace)
 
     def patch(spec: dict, check: bool):
         return apiserver.kubectl(
@@ -125,6 +128,25 @@ def test_immutable_fields_refused_mutable_ones_allowed(apiserver: Cluster, names
     bad = patch({"scheduling": {"priorityClass": "other"}}, check=False)
     assert bad.returncode != 0
     assert "spec.scheduling.priorityClass cannot change" in bad.stderr
+    # Setting a field the job was created without is a change too (a full fine-tune
+    # would silently become LoRA), and so is removing one.
+    bad = patch({"lora": {"rank": 8}}, check=False)
+    assert "spec.lora cannot change" in bad.stderr
+    bad = patch({"image": None}, check=False)
+    assert "spec.image cannot change" in bad.stderr
+    # The policy matches the job, not its status: status writes do not pay for it.
+    status = apiserver.kubectl(
+        "patch",
+        "ptj",
+        "immutable",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"phase": "Pending", "message": "waiting"}}),
+    )
+    assert "patched" in status.stdout
     ok = patch(
         {
             "scheduling": {

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import yaml
+
 from posttrain.api import crd, rules
 
 CRDS = Path(__file__).parent.parent.parent / "crds"
@@ -66,4 +68,38 @@ def test_cel_rules_carried_into_crd():
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     cel = {v["rule"] for v in spec["x-kubernetes-validations"]}
     assert {r.cel for r in rules.RULES} <= cel
-    assert {rules.immutable_cel(p) for p in rules.IMMUTABLE} <= cel
+
+
+def test_no_transition_rules_in_the_crd():
+    """The API server runs a CRD's rules on status writes too: rules that compare with
+    oldSelf would make every status patch pay for them (the admission policy holds them)."""
+    assert "oldSelf" not in crd.crd_yaml().split("\n---\n")[0]
+
+
+def test_immutable_fields_policy_matches_updates_of_the_job_only():
+    policy, binding = crd.immutable_fields_policy()
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["posttrainjobs"] and rule["operations"] == ["UPDATE"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert [v["expression"] for v in policy["spec"]["validations"]] == [
+        rules.immutable_cel(p) for p in rules.IMMUTABLE
+    ]
+    assert binding["spec"] == {"policyName": crd.POLICY_NAME, "validationActions": ["Deny"]}
+    docs = list(yaml.safe_load_all(crd.crd_yaml()))
+    assert [d["kind"] for d in docs] == [
+        "CustomResourceDefinition",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
+
+
+def test_immutable_cel_guards_nested_fields():
+    assert rules.immutable_cel("model") == (
+        "has(object.spec.model) == has(oldObject.spec.model) && "
+        "(!has(object.spec.model) || object.spec.model == oldObject.spec.model)"
+    )
+    nested = rules.immutable_cel("scheduling.queue")
+    assert nested.startswith(
+        "(has(object.spec.scheduling) && has(object.spec.scheduling.queue)) == "
+        "(has(oldObject.spec.scheduling) && has(oldObject.spec.scheduling.queue))"
+    )

@@ -1,5 +1,9 @@
 """The operator's caches: jobs held packed, Kueue's visibility API read per LocalQueue."""
 
+import asyncio
+
+import kopf
+
 from posttrain.controller import watches
 from posttrain.controller.watches import QueuePositions
 
@@ -70,3 +74,52 @@ def test_a_packed_job_reads_back_whole_and_as_a_fresh_copy():
     first["status"]["phase"] = "Running"  # a reconcile's changes stay its own
     assert watches.job(indexes, "ns", "j") == summary
     assert watches.job(indexes, "ns", "other") is None
+
+
+def _event_body(**fields):
+    meta = {
+        "name": "tune-1",
+        "namespace": "team",
+        "uid": "u1",
+        "resourceVersion": "7",
+        "labels": {"posttrain.dev/job-name": "tune"},
+        "ownerReferences": [{"kind": "PostTrainJob", "name": "tune", "uid": "j1"}],
+        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x" * 4000},
+        "managedFields": [{"manager": "posttrain", "fieldsV1": {"f:spec": {}}}],
+    }
+    raw = {"apiVersion": "v1", "kind": "Thing", "metadata": meta, **fields}
+    return raw, kopf.Body(raw)
+
+
+def test_an_indexed_jobset_leaves_kopf_only_its_metadata():
+    template = {"spec": {"containers": [{"name": "trainer", "image": "t"}]}}
+    raw, body = _event_body(
+        spec={"replicatedJobs": [{"name": "node", "template": {"spec": {"template": template}}}]},
+        status={"conditions": []},
+    )
+    index = asyncio.run(
+        watches.jobset_index(namespace="team", labels=body.metadata.labels, body=body)
+    )
+    (summary,) = index.values()
+    assert summary["spec"]["replicatedJobs"][0]["name"] == "node"  # the index has what it needs
+    assert set(raw) == {"apiVersion", "kind", "metadata"}  # kopf's copy: no spec, no status
+    assert "managedFields" not in raw["metadata"] and "annotations" not in raw["metadata"]
+    assert raw["metadata"]["labels"] == {"posttrain.dev/job-name": "tune"}
+    assert raw["metadata"]["ownerReferences"][0]["uid"] == "j1"
+
+
+def test_an_indexed_job_keeps_its_spec_and_status_for_the_event_handler():
+    raw, body = _event_body(spec={"technique": "sft"}, status={"phase": "Running"})
+    index = asyncio.run(watches.job_index(namespace="team", name="tune-1", body=body))
+    assert watches.job({"job_index": {k: [v] for k, v in index.items()}}, "team", "tune-1")[
+        "status"
+    ] == {"phase": "Running"}
+    assert raw["spec"] == {"technique": "sft"} and raw["status"] == {"phase": "Running"}
+    assert set(raw["metadata"]) == {
+        "name",
+        "namespace",
+        "uid",
+        "resourceVersion",
+        "labels",
+        "ownerReferences",
+    }

@@ -242,14 +242,16 @@ IMMUTABLE: list[str] = [
 
 
 def immutable_cel(path: str) -> str:
-    """A CEL transition rule (on spec) that holds when `path` did not change."""
-    parent, _, leaf = path.rpartition(".")
-    prefix = f"self.{parent}." if parent else "self."
-    old = f"oldSelf.{parent}." if parent else "oldSelf."
-    return (
-        f"has({prefix}{leaf}) == has({old}{leaf}) && "
-        f"(!has({prefix}{leaf}) || {prefix}{leaf} == {old}{leaf})"
-    )
+    """A CEL expression of the admission policy (`crd.immutable_fields_policy`) that holds
+    when spec.`path` was neither set, removed nor changed by an update."""
+    parts = path.split(".")
+
+    def present(root: str) -> str:
+        has = [f"has({root}.spec.{'.'.join(parts[: i + 1])})" for i in range(len(parts))]
+        return has[0] if len(has) == 1 else f"({' && '.join(has)})"
+
+    new, old = present("object"), present("oldObject")
+    return f"{new} == {old} && (!{new} || object.spec.{path} == oldObject.spec.{path})"
 
 
 def immutable_message(path: str) -> str:

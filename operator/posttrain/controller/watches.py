@@ -135,16 +135,40 @@ def packed(summary: dict[str, Any]) -> bytes:
     return json.dumps(summary, separators=(",", ":")).encode()
 
 
+def shed(body: kopf.Body, *keep: str) -> None:
+    """Drop from kopf's own copy of an event what nothing reads once it is indexed: the
+    managed fields, the annotations, and every top-level field but `keep` (the event
+    handlers read only the metadata, and a job's status).
+
+    kopf holds each event until its handlers have run, and runs none before every kind
+    is listed: a replica starting with 1100 jobs and their JobSets present held every
+    body at once, and its RSS peaked at 178 MiB against 141 for a leader that saw them
+    arrive."""
+    raw = getattr(body, "_src", None)  # the event's dict, which kopf's Body views
+    if not isinstance(raw, dict):
+        return
+    meta = raw.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+        meta.pop("annotations", None)
+    for key in [k for k in raw if k not in ("apiVersion", "kind", "metadata", *keep)]:
+        del raw[key]
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 async def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Key, bytes]:
-    return {(namespace, name): packed(job_summary(dict(body)))}
+    job = packed(job_summary(dict(body)))
+    shed(body, "spec", "status")
+    return {(namespace, name): job}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={JOB_NAME_LABEL: kopf.PRESENT})
 async def jobset_index(
     namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Key, Any]:
-    return {(namespace, labels[JOB_NAME_LABEL]): jobset_summary(dict(body))}
+    summary = jobset_summary(dict(body))
+    shed(body)
+    return {(namespace, labels[JOB_NAME_LABEL]): summary}
 
 
 @kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
@@ -152,14 +176,19 @@ async def pod_index(
     namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Key, Any]:
     if body["metadata"].get("deletionTimestamp"):
+        shed(body)
         return {}
-    return {(namespace, labels[JOB_NAME_LABEL]): phase.pod_state(dict(body))}
+    state = phase.pod_state(dict(body))
+    shed(body)
+    return {(namespace, labels[JOB_NAME_LABEL]): state}
 
 
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", when=jobset_owned)
 async def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
     owner = next(r for r in body["metadata"]["ownerReferences"] if r.get("kind") == "JobSet")
-    return {(namespace, owner["name"]): (owner.get("uid"), phase.workload_state(dict(body)))}
+    state = phase.workload_state(dict(body))
+    shed(body)
+    return {(namespace, owner["name"]): (owner.get("uid"), state)}
 
 
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses")
