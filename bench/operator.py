@@ -39,6 +39,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import urllib3
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -116,6 +118,8 @@ class Seen:
                 if e.status != 429:  # kind's storage initializes
                     raise
                 time.sleep(1)
+            except urllib3.exceptions.HTTPError:  # the stream was cut: the namespace or
+                time.sleep(0.5)  # the plane is going away (stopped), or watch again
 
     def wait(self, names: list[str], timeout: float = 900) -> float:
         """The monotonic time the last of `names` was seen."""
