@@ -192,6 +192,36 @@ def test_merged_export_fills_transformers_state_dict(vision_lora, golden, tmp_pa
     )
 
 
+def test_text_only_merged_export_is_a_gemma3_for_causal_lm(peft_golden, tmp_path):
+    """A text-only job on the vision checkpoint, merged (docs/user-guide.md: a text-only
+    Gemma3ForCausalLM): the decoder's tensors of transformers' Gemma3ForCausalLM layout
+    and shapes (no tower, no projector), a gemma3_text config, and, loaded back, peft's
+    logits with its adapter on a text prompt."""
+    from safetensors import safe_open
+
+    from posttrain.trainer import models
+    from posttrain.trainer.models.saving import save_hf
+
+    model, info = _with_reference_adapter(vision=False)
+    out = save_hf(model, tmp_path / "hf", info)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"]
+    assert cfg["model_type"] == "gemma3_text" and "vision_config" not in cfg
+    with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    decoder = "model.language_model."
+    expected = {
+        "model." + k.removeprefix(decoder): v
+        for k, v in _layout()["state_dict"].items()
+        if k.startswith(decoder)
+    }
+    assert shapes == expected
+    merged, again = models.load_model(out)
+    assert again.vision is None and again.family == info.family
+    logits = np.asarray(models.forward(merged, peft_golden["input_ids_text"]))
+    np.testing.assert_allclose(logits, peft_golden["logits_text"], atol=TOL, rtol=0)
+
+
 def test_generate_loads_peft_s_adapter_onto_the_vision_checkpoint(peft_golden, tmp_path):
     """`posttrain generate ADAPTER_DIR` (text prompts): the adapter's modules come from its
     tensors (peft's target_modules is a regex over transformers' module names), its base
