@@ -213,15 +213,22 @@ def immutable_fields_policy() -> list[dict[str, Any]]:
         "metadata": {"name": POLICY_NAME, "labels": labels},
         "spec": {
             "failurePolicy": "Fail",
+            # With the API server's defaults written out: matchConstraints is atomic, so
+            # an apply by a second field manager (the CRD file by one tool, the
+            # kustomize base by another) would conflict with the defaulted value.
             "matchConstraints": {
+                "matchPolicy": "Equivalent",
+                "namespaceSelector": {},
+                "objectSelector": {},
                 "resourceRules": [
                     {
                         "apiGroups": [spec.GROUP],
                         "apiVersions": ["*"],
                         "operations": ["UPDATE"],
                         "resources": [spec.PLURAL],
+                        "scope": "*",
                     }
-                ]
+                ],
             },
             "validations": [
                 {
