@@ -202,8 +202,8 @@ def immutable_fields_policy() -> list[dict[str, Any]]:
     removing or changing a `rules.IMMUTABLE` field of a job.
 
     Not transition rules in the CRD: the API server runs a CRD's rules on every write of
-    the status too, and these 16 made each status patch cost 13-14 ms of its CPU instead
-    of 9-10 (`bench/operator.py --write-costs`). The policy matches the job itself only,
+    the status too, and these 16 made each status patch cost 12.7-14.3 ms of its CPU
+    instead of 10.5-11.6 (`bench/operator.py --write-costs`). The policy matches the job itself only,
     never `posttrainjobs/status`, so the operator's and the trainers' status writes skip
     it. It travels in the same file as the CRD, so whatever installs the CRD installs it."""
     labels = {"app.kubernetes.io/name": "posttrain"}
