@@ -418,5 +418,5 @@ def test_scheduling_patch():
     assert scheduling_patch({"workloadPriorityClass": "high"}, {}) == {
         "metadata": {"labels": {"kueue.x-k8s.io/priority-class": None}}
     }
-    # The pods' PriorityClass is immutable (the CRD refuses a change); nothing to patch.
+    # The pods' PriorityClass is immutable (the admission policy refuses a change); nothing to patch.
     assert scheduling_patch({"priorityClass": "a"}, {"priorityClass": "b"}) == {}

@@ -259,7 +259,8 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
 
 
 def immutable_changes(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list[FieldError]:
-    """Fields that changed but may not (the Python twin of the CRD's transition rules)."""
+    """Fields that changed but may not (the Python twin of the immutable-fields
+    admission policy, `crd.immutable_fields_policy`)."""
     errors = []
     for path in rules.IMMUTABLE:
         old, new = old_spec, new_spec
