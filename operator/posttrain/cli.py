@@ -7,11 +7,18 @@ posttrain crd                print the CustomResourceDefinition
 posttrain run FILE           train locally from the same file (trainer extra)
 posttrain train --config F   the trainer's entry point inside a pod (trainer extra)
 posttrain operator           run the controller (operator extra)
+
+Exit codes: 0 done; 1 a file that is not a valid job (validate, estimate, render), nothing
+to show (logs), or an unexpected error, in one line (POSTTRAIN_TRACEBACK=1 prints its
+traceback); 2 bad flags; 65 an error in the job's input, named by field or flag (run,
+export, generate, train); 75 a server that did not answer; 130 interrupted (Ctrl-C);
+143 stopped by SIGTERM after saving a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -34,6 +41,14 @@ def _load(path: str, overrides: dict[str, Any] | None = None) -> PostTrainJob | 
     return None
 
 
+def _missing_here(job: PostTrainJob, path: str) -> list[str]:
+    """Local inputs that are not on this machine: `posttrain run` would refuse the job
+    (a cluster's pods may still have them on a volume)."""
+    from posttrain.local_paths import missing_inputs
+
+    return [f"{line}; posttrain run needs it here" for line in missing_inputs(job.spec, path)]
+
+
 def _validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:  # a bad file does not stop the others
@@ -41,7 +56,7 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
         else:
             print(f"{printable(path)}: valid")
-            for line in warnings(job):
+            for line in [*warnings(job), *_missing_here(job, path)]:
                 print(f"{printable(path)}: warning: {line}", file=sys.stderr)
     return 1 if failed else 0
 
@@ -129,9 +144,51 @@ def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
                 file=sys.stderr,
             )
             return 2
-        return getattr(mod, func)(args)
+        try:
+            return getattr(mod, func)(args)
+        except Exception as e:
+            if args.command in _TRACEBACKS or os.environ.get("POSTTRAIN_TRACEBACK"):
+                raise
+            print(
+                f"posttrain {args.command}: {printable(_one_line(e))} "
+                "(POSTTRAIN_TRACEBACK=1 shows where)",
+                file=sys.stderr,
+            )
+            return 1
 
     return run
+
+
+# In a pod (train) or a controller (operator) a crash's traceback is the log worth reading.
+_TRACEBACKS = {"train", "operator"}
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or "no message"
+    return f"{type(e).__name__}: {text}"[:limit]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"posttrain {version('posttrain')}"
+    except PackageNotFoundError:
+        return "posttrain (not installed: run from a source tree)"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """`posttrain generate`: a local target that is not there is refused before JAX loads."""
+    from pathlib import Path
+
+    target = args.target
+    if not target.startswith(("gs://", "hf://")) and not Path(target).exists():
+        print(
+            f"posttrain: MODEL_OR_JOB: {printable(target)}: no such file or directory",
+            file=sys.stderr,
+        )
+        return 65
+    return _lazy("posttrain.trainer.generate", "generate_command")(args)
 
 
 def _integer(text: str) -> int | str:
@@ -150,6 +207,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="posttrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate", help="check PostTrainJob files")
@@ -197,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     p.add_argument("--seed", type=int, default=0, help="for sampling")
     p.add_argument("--chat-template", help="a Jinja chat template file (default: the model's)")
-    p.set_defaults(func=_lazy("posttrain.trainer.generate", "generate_command"))
+    p.set_defaults(func=_generate)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model to a Hugging Face checkpoint")
     p.add_argument("output", help="directory for config.json, model.safetensors, tokenizer")
@@ -216,7 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"posttrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -134,9 +134,38 @@ def _status_line(job: dict[str, Any]) -> str:
 
 
 def logs_command(args: argparse.Namespace) -> int:
+    """Exit codes: 0 the log was printed (to its end, or the job's with -f); 1 no log to
+    print: no cluster configured or reachable, no such job, no pod, not started yet."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+
+    try:
+        cluster = Cluster(args.namespace)
+    except (ConfigException, OSError) as e:
+        why = " ".join(str(e).split())[:200]
+        print(
+            f"posttrain: no Kubernetes cluster configured ({why}): set KUBECONFIG or "
+            "write ~/.kube/config (kubectl config view shows what is used)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        return _print_logs(cluster, args)
+    except urllib3.exceptions.HTTPError as e:
+        host = cluster.api.configuration.host
+        print(
+            f"posttrain: cannot reach the API server at {host} ({e.__class__.__name__})",
+            file=sys.stderr,
+        )
+    except ApiException as e:
+        print(f"posttrain: the API server answered {e.status} {e.reason}", file=sys.stderr)
+    return 1
+
+
+def _print_logs(cluster: Cluster, args: argparse.Namespace) -> int:
     from kubernetes.client.exceptions import ApiException
 
-    cluster = Cluster(args.namespace)
     where = f"{cluster.namespace}/{args.name}"
     done: set[str] = set()  # pods whose log was read to its end
     while True:

@@ -83,7 +83,7 @@ def export_checkpoint(
         if step is None:
             restored = checkpoints.restore_latest(target)
             if restored is None:
-                raise ValueError(f"{spec.output.uri}: no readable checkpoint to export")
+                raise ValueError(f"spec.output.uri: {spec.output.uri}: no readable checkpoint to export")
         else:
             restored = checkpoints.restore(step, target)
         checkpoints.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -276,7 +277,14 @@ def convert_command(args) -> int:
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         print(f"{out}: already converted")
         return 0
-    source = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    if args.gguf and not Path(args.gguf).is_file():
+        print(f"posttrain: --gguf {args.gguf}: no such file", file=sys.stderr)
+        return 65
+    try:
+        source = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    except FileNotFoundError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return 65
     convert_gguf_to_hf(source, out)
     print(f"converted {source} -> {out}")
     return 0

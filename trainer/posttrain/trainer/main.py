@@ -12,12 +12,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
-from posttrain.api.validate import InvalidJob, load_job
+from posttrain.api.validate import InvalidJob, load_job, printable
 
 STOPPED_EXIT_CODE = 143
 log = logging.getLogger("posttrain.trainer")
+
+
+def _unreadable(e: Exception) -> str:
+    """An InvalidJob's lines, or 'FILE: cannot read: why' for a file that cannot be read."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{printable(str(e.filename))}: cannot read: {e.strerror or e}"
+    return str(e)
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -84,22 +92,94 @@ def train_command(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.config)
     except (InvalidJob, OSError) as e:
-        print(f"posttrain: {e}", file=sys.stderr)
+        print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    if problems := _preflight(job, None, "spec.output.uri"):
+        for line in problems:
+            print(f"posttrain: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     return _run(job, show_bar=False, in_pod=True)
+
+
+def _load_run(args: argparse.Namespace) -> PostTrainJob:
+    """The job of `posttrain run FILE [--output] [--steps]`. A --steps at or below the
+    file's spec.training.warmupSteps caps the warmup to the shortened run (steps - 1)."""
+    overrides = {"spec.output.uri": args.output, "spec.training.steps": args.steps}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return load_job(args.file, overrides)
+    except InvalidJob as e:
+        warmup_only = [err.field for err in e.errors] == ["spec.training.warmupSteps"]
+        if not (warmup_only and isinstance(args.steps, int) and args.steps > 0):
+            raise
+    job = load_job(args.file, {**overrides, "spec.training.warmupSteps": args.steps - 1})
+    print(
+        f"posttrain: --steps {args.steps}: spec.training.warmupSteps capped to "
+        f"{args.steps - 1} for this run",
+        file=sys.stderr,
+    )
+    return job
+
+
+def _preflight(job: PostTrainJob, job_file: str | None, output_field: str) -> list[str]:
+    """What stops the run before anything loads: a local input that is not there, an
+    output that cannot be written (posttrain.local_paths)."""
+    from posttrain.local_paths import missing_inputs, unwritable_output
+
+    if problems := missing_inputs(job.spec, job_file):
+        return problems  # before the output directory is made
+    why = unwritable_output(job.spec.output.uri, output_field)
+    return [why] if why else []
 
 
 def run_command(args: argparse.Namespace) -> int:
     """On one machine: the same PostTrainJob YAML, with a progress bar."""
     _setup_logging()
-    overrides = {"spec.output.uri": args.output, "spec.training.steps": args.steps}
     try:
-        job = load_job(args.file, {k: v for k, v in overrides.items() if v is not None})
+        job = _load_run(args)
     except (InvalidJob, OSError) as e:
-        print(f"posttrain: {e}", file=sys.stderr)
+        print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    output_field = "--output (spec.output.uri)" if args.output else "spec.output.uri"
+    if problems := _preflight(job, args.file, output_field):
+        for line in problems:
+            print(f"posttrain: {args.file}: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     print(f"posttrain: training {job.metadata.name} -> {job.spec.output.uri}", file=sys.stderr)
     return _run(job, show_bar=True)
+
+
+def _local_steps(directory: Path) -> list[int]:
+    """The step numbers of the checkpoints saved under a local directory."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _export_problem(job: PostTrainJob, args: argparse.Namespace) -> str | None:
+    """Why `posttrain export` cannot export what it was asked to, found without loading
+    the model (one line naming the flag or field), or None. A gs:// output is checked when
+    its checkpoints are read."""
+    spec = job.spec
+    if args.format == "adapter" and not spec.lora:
+        return "--format adapter: the job has no spec.lora (a full fine-tune)"
+    if args.best and spec.checkpoint.keep_best is None:
+        return "--best: the job has no spec.checkpoint.keepBest"
+    uri = spec.output.uri
+    if uri.startswith("gs://"):
+        return None
+    where = "checkpoints-best" if args.best else "checkpoints"
+    steps = _local_steps(Path(uri) / where)
+    field = "--output (spec.output.uri)" if args.output else "spec.output.uri"
+    if not steps:
+        return (
+            f"{field}: {uri} has no {where}/ to export: train first "
+            f"(posttrain run {args.file}{' --output ' + uri if args.output else ''})"
+        )
+    if args.step is not None and args.step not in steps:
+        shown = ", ".join(map(str, steps))
+        return f"--step {args.step}: no checkpoint of that step under {uri}/{where} ({shown})"
+    return None
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -109,7 +189,10 @@ def export_command(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.file, overrides)
     except (InvalidJob, OSError) as e:
-        print(f"posttrain: {e}", file=sys.stderr)
+        print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    if (why := _export_problem(job, args)) is not None:  # before loading anything
+        print(f"posttrain: {args.file}: {why}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     from posttrain.trainer import pathways, storage
     from posttrain.trainer.export import export_checkpoint

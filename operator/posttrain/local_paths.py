@@ -1,0 +1,85 @@
+"""Checks of a job's local paths before anything loads, for `posttrain run` (errors) and
+`posttrain validate` (warnings): inputs that do not exist, an output that cannot be
+written.
+
+A relative path in a job resolves against the working directory of the command (as the
+trainer opens it, and as a pod resolves it against its container's working directory),
+not against the job file's directory; the messages say where they looked, and when the
+path exists under the job file's directory or one above it, where to run from. gs:// and hf:// locations are not checked here.
+No JAX, no cloud clients: these run in well under a second.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from posttrain.api.validate import printable
+
+REMOTE = ("gs://", "hf://")
+
+
+def _inputs(spec: Any) -> list[tuple[str, str | None, str]]:
+    """(field, location, kind) of every local input a run reads; kind is 'dir' (a model
+    directory) or 'path' (a file or a directory of files)."""
+    teacher = spec.distill.teacher if spec.distill else None
+    return [
+        ("spec.model.source", spec.model.source, "dir"),
+        ("spec.data.source", spec.data.source, "path"),
+        ("spec.data.chatTemplate", spec.data.chat_template, "path"),
+        ("spec.eval.source", spec.eval.source if spec.eval else None, "path"),
+        ("spec.distill.teacher.source", teacher.source if teacher else None, "dir"),
+        ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None, "dir"),
+    ]
+
+
+def _where(path: str, job_file: str | None) -> str:
+    """Where a relative path was looked for, and the fix when it is beside the job file."""
+    if Path(path).is_absolute():
+        return ""
+    cwd = Path.cwd()
+    said = f" (a relative path resolves against the working directory {cwd}"
+    if job_file:  # the directory the job's author meant: the job file's, or one above it
+        for directory in Path(job_file).resolve().parents:
+            if (directory / path).exists() and directory != cwd:
+                return f"{said}; {directory / path} exists: run from {directory})"
+    return said + ")"
+
+
+def missing_inputs(spec: Any, job_file: str | None = None) -> list[str]:
+    """One line per local input of `spec` that is not there, naming the field and where
+    it looked."""
+    problems = []
+    for field, location, kind in _inputs(spec):
+        if not location or location.startswith(REMOTE):
+            continue
+        path = Path(location).expanduser()
+        if kind == "dir" and path.is_file():
+            problems.append(f"{field}: {printable(location)} is a file, not a model directory")
+        elif not path.exists():
+            what = "no such directory" if kind == "dir" else "no such file or directory"
+            problems.append(f"{field}: {printable(location)}: {what}{_where(location, job_file)}")
+    return problems
+
+
+def unwritable_output(uri: str, field: str = "spec.output.uri") -> str | None:
+    """Why a local output location cannot be written (one line naming `field`), or None.
+    Creates the directory, as the run would, and writes and removes one probe file."""
+    if uri.startswith(REMOTE):
+        return None
+    path = Path(uri).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".posttrain-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        if e.errno == errno.ENOTDIR or e.errno == errno.EEXIST:
+            why = "a file is in the way"
+        else:
+            why = e.strerror or str(e)
+        return f"{field}: {printable(uri)}: cannot write there: {why}"
+    return None

@@ -1,0 +1,164 @@
+"""Ordinary mistakes on the command line end in one line and a documented exit code
+(posttrain.cli's docstring), before anything heavy loads: a file that is not there, a
+job that never ran, an output that cannot be written, no cluster configured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+def posttrain(*args, cwd=ROOT, env=None, seconds=None):
+    began = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    took = time.monotonic() - began
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == (r.returncode != 0 or "warning" in r.stderr), r.stderr
+    if seconds is not None:  # refused before JAX loads (a JAX import alone takes seconds)
+        assert took < seconds, (args, took)
+    return r
+
+
+def job_file(tmp_path: Path, **spec) -> Path:
+    """A valid local job whose model directory and data file exist (empty: nothing loads
+    them before these checks)."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "train.jsonl").write_text("")
+    doc = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "mistakes"},
+        "spec": {
+            "model": {"source": str(tmp_path / "model")},
+            "lora": {"rank": 4, "alpha": 8},
+            "data": {"source": str(tmp_path / "train.jsonl")},
+            "training": {"steps": 10, "warmupSteps": 4},
+            "output": {"uri": str(tmp_path / "run")},
+            **spec,
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["validate", "{missing}"], 1),
+        (["estimate", "{missing}"], 1),
+        (["render", "{missing}"], 1),
+        (["run", "{missing}"], 65),
+        (["export", "{missing}"], 65),
+        (["generate", "{missing}", "--prompt", "hi"], 65),
+        (["convert-gguf", "{out}", "--gguf", "{missing}"], 65),
+        (["train", "--config", "{missing}"], 65),
+    ],
+)
+def test_a_file_that_is_not_there(tmp_path, args, code):
+    missing = tmp_path / "nowhere.yaml"
+    args = [a.format(missing=missing, out=tmp_path / "out") for a in args]
+    r = posttrain(*args, seconds=4)
+    assert r.returncode == code
+    assert str(missing) in r.stderr
+
+
+def test_export_of_a_job_that_never_ran(tmp_path):
+    job = job_file(tmp_path)
+    r = posttrain("export", str(job), seconds=4)
+    assert r.returncode == 65
+    assert "spec.output.uri" in r.stderr and f"posttrain run {job}" in r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing made on the way
+
+
+def test_export_flags_refused_before_loading(tmp_path):
+    job = job_file(tmp_path)
+    for step in (3, 6):
+        (tmp_path / "run" / "checkpoints" / str(step)).mkdir(parents=True)
+    r = posttrain("export", str(job), "--step", "5", seconds=4)
+    assert r.returncode == 65 and "--step 5" in r.stderr and "(3, 6)" in r.stderr
+    r = posttrain("export", str(job), "--best", seconds=4)
+    assert r.returncode == 65 and "--best" in r.stderr and "spec.checkpoint.keepBest" in r.stderr
+    r = posttrain("export", str(job), "--output", str(tmp_path / "other"), seconds=4)
+    assert r.returncode == 65 and "--output" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["/proc/posttrain-run", "{file}/run"])
+def test_run_refuses_an_output_it_cannot_write(tmp_path, where):
+    job = job_file(tmp_path)
+    (tmp_path / "a-file").write_text("kept")
+    output = where.format(file=tmp_path / "a-file")
+    r = posttrain("run", str(job), "--output", output, seconds=4)
+    assert r.returncode == 65
+    assert "--output (spec.output.uri)" in r.stderr and output in r.stderr
+    assert (tmp_path / "a-file").read_text() == "kept"
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["output"]["uri"] = output
+    job.write_text(yaml.safe_dump(doc))
+    r = posttrain("run", str(job), seconds=4)
+    assert r.returncode == 65 and "spec.output.uri" in r.stderr and "--output" not in r.stderr
+
+
+def test_missing_inputs_name_the_field_and_the_directory_looked_in(tmp_path):
+    sub = tmp_path / "project"
+    (sub / "data").mkdir(parents=True)
+    (sub / "data" / "train.jsonl").write_text("")
+    (sub / "model").mkdir()
+    job = job_file(sub)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["data"]["source"] = "data/train.jsonl"  # relative: to the working directory
+    job.write_text(yaml.safe_dump(doc))
+    r = posttrain("validate", str(job), cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout == f"{job}: valid\n"
+    assert "warning: spec.data.source: data/train.jsonl" in r.stderr
+    assert f"working directory {tmp_path}" in r.stderr and f"run from {sub}" in r.stderr
+    r = posttrain("run", str(job), cwd=tmp_path, seconds=4)
+    assert r.returncode == 65 and "spec.data.source" in r.stderr
+    assert not (sub / "run").exists()  # refused before the output is made
+    r = posttrain("validate", str(job), cwd=sub)  # from there: no warning
+    assert r.returncode == 0 and r.stderr == ""
+
+
+def test_logs_without_a_cluster(tmp_path):
+    env = {"KUBECONFIG": str(tmp_path / "no-kubeconfig"), "HOME": str(tmp_path)}
+    r = posttrain("logs", "some-job", env=env)
+    assert r.returncode == 1 and "KUBECONFIG" in r.stderr
+
+
+def test_version():
+    r = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "--version"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.startswith("posttrain ")
+
+
+def test_steps_below_the_warmup_caps_the_warmup(tmp_path, capsys):
+    from posttrain.api.validate import InvalidJob
+    from posttrain.trainer.main import _load_run
+
+    job = job_file(tmp_path)  # warmupSteps: 4
+
+    def flags(steps):
+        return argparse.Namespace(file=str(job), output=None, steps=steps)
+
+    short = _load_run(flags(2))
+    assert (short.spec.training.steps, short.spec.training.warmup_steps) == (2, 1)
+    assert "--steps 2" in capsys.readouterr().err
+    assert _load_run(flags(6)).spec.training.warmup_steps == 4  # above it: as written
+    with pytest.raises(InvalidJob, match="spec.training.steps"):
+        _load_run(flags(0))
