@@ -20,9 +20,27 @@ print(
     f"{last['metrics']['loss']:.3f} (step {last['step']}), "
     f"perplexity {last['metrics']['perplexity']:.2f}"
 )
-for sample in last.get("samples", [])[:1]:
-    print(f"a held-out prompt:\n{sample['prompt']}\nthe trained model answers: {sample['completion']}")
+rows = [json.loads(line) for line in open("examples/data/chat-sft.jsonl") if line.strip()]
+pairs = [
+    ([m for m in r["messages"] if m["role"] == "user"][-1]["content"],
+     [m for m in r["messages"] if m["role"] == "assistant"][-1]["content"])
+    for r in rows
+]
+for sample in last.get("samples", [])[:1]:  # the question alone, not the whole chat prompt
+    found = [(q, a) for q, a in pairs if q in sample["prompt"]]
+    if found:
+        question, answer = max(found, key=lambda qa: len(qa[0]))
+        print(f"a held-out question: {question}")
+        print(f"  the dataset's answer: {answer}")
+        print(f"  the trained model's:  {sample['completion'].strip()}")
 PY
-echo "done in $((SECONDS - start))s; outputs:"
-find runs/sft-lora-smollm2 -maxdepth 2 | sort | sed 's/^/  /'
-echo "TensorBoard (not a posttrain dependency): pip install tensorboard && tensorboard --logdir runs/sft-lora-smollm2/tensorboard"
+echo "done in $((SECONDS - start))s; outputs in runs/sft-lora-smollm2/ (checkpoints/, tensorboard/, hf/, eval.json)"
+cat <<'NEXT'
+
+next, in this shell:
+  . .venv/bin/activate     # puts posttrain on PATH (in each new shell)
+  posttrain generate examples/sft-lora-smollm2-cpu.yaml --prompt "What is the capital of France?"
+  posttrain run examples/grpo-lora-smollm2-cpu.yaml --steps 2   # another technique, shortened
+the user's guide: docs/user-guide.md (writing jobs, outputs, resume, export, clusters)
+TensorBoard (not a posttrain dependency): pip install tensorboard && tensorboard --logdir runs/sft-lora-smollm2/tensorboard
+NEXT
