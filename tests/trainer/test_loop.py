@@ -206,9 +206,12 @@ def test_export_a_checkpoint_without_training(model_dir, reference, tmp_path):
     step, uri = export_checkpoint(job)
     assert (step, uri) == (12, str(out / "hf"))
     assert_bitwise_equal(adapter(out), adapter(reference[0]))
-    # An earlier step, merged: a full model that loads back, beside the run's export.
+    # An earlier step, merged: a full model that loads back, in a directory of its own.
     step, uri = export_checkpoint(job, 8, "merged")
-    assert (step, uri) == (8, str(out / "hf-step-8"))
+    assert (step, uri) == (8, str(out / "hf-step-8-merged"))
+    assert not (out / "hf-step-8-merged" / "adapter_config.json").exists()
+    assert export_checkpoint(job, kind="merged") == (12, str(out / "hf-merged"))
+    assert (out / "hf" / "adapter_config.json").is_file()  # the adapter stays as it was
     merged, _ = models.load_model(uri)
     assert merged.config.num_layers == models.load_model(model_dir)[0].config.num_layers
     with pytest.raises(ValueError, match=r"--step: no checkpoint 5 under .* \(there: 4, 8, 12\)"):

@@ -5,6 +5,7 @@ job that never ran, an output that cannot be written, no cluster configured."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_export_flags_refused_before_loading(tmp_path):
     for step in (3, 6):
         (tmp_path / "run" / "checkpoints" / str(step)).mkdir(parents=True)
     r = posttrain("export", str(job), "--step", "5", seconds=4)
-    assert r.returncode == 65 and "--step 5" in r.stderr and "(3, 6)" in r.stderr
+    assert r.returncode == 65 and "--step: no checkpoint 5" in r.stderr and "(there: 3, 6)" in r.stderr
     r = posttrain("export", str(job), "--best", seconds=4)
     assert r.returncode == 65 and "--best" in r.stderr and "spec.checkpoint.keepBest" in r.stderr
     r = posttrain("export", str(job), "--output", str(tmp_path / "other"), seconds=4)
@@ -162,3 +163,15 @@ def test_steps_below_the_warmup_caps_the_warmup(tmp_path, capsys):
     assert _load_run(flags(6)).spec.training.warmup_steps == 4  # above it: as written
     with pytest.raises(InvalidJob, match="spec.training.steps"):
         _load_run(flags(0))
+
+
+def test_cpu_runs_do_not_ask_for_jax_tpu(caplog):
+    from absl import logging as absl_logging
+
+    from posttrain.trainer.main import _setup_logging
+
+    _setup_logging()
+    caplog.set_level(logging.WARNING, logger="absl")
+    absl_logging.warning("Skipping non-TPU device: %s. You might be missing jax[tpu]", "cpu")
+    absl_logging.warning("a warning worth reading")
+    assert [r.getMessage() for r in caplog.records] == ["a warning worth reading"]

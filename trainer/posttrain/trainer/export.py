@@ -59,7 +59,9 @@ def export_checkpoint(
     """Export checkpoint `step` (default: the newest readable one; with `best`, the
     checkpoint.keepBest one) of a job's run without training (`posttrain export`): as
     `kind` (adapter | merged; default spec.output.exportHF) to output.uri/hf, or
-    output.uri/hf-step-<step> for an explicit step or the best. Returns (step, URI)."""
+    output.uri/hf-step-<step> for an explicit step or the best; a merged export of a LoRA
+    job gets its own directory (hf-merged, hf-step-<step>-merged), since a loader that
+    finds the adapter's adapter_config.json in hf/ loads the adapter. Returns (step, URI)."""
     spec = job.spec
     if kind == "adapter" and not spec.lora:
         raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
@@ -89,6 +91,9 @@ def export_checkpoint(
         checkpoints.close()
     restore_into(policy.model, policy.wrt, opt, restored.state)
     name = "hf" if step is None and not best else f"hf-step-{restored.step}"
+    resolved = kind or str(spec.output.export_hf)
+    if spec.lora and resolved == "merged":  # never beside the adapter, which loaders prefer
+        name += "-merged"
     return restored.step, export_model(
         job, policy.model, policy.info, scratch, kind=kind, name=name
     )

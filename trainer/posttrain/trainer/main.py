@@ -84,6 +84,13 @@ def _setup_logging() -> None:
     )
     for noisy in ("absl", "jax._src", "orbax", "urllib3", "kubernetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("absl").addFilter(_not_a_missing_tpu)
+
+
+def _not_a_missing_tpu(record: logging.LogRecord) -> bool:
+    """Tunix's memory report warns 'Skipping non-TPU device: cpu. You might be missing
+    jax[tpu]' at every GRPO step of a CPU run, where no TPU is missing."""
+    return not str(record.msg).startswith("Skipping non-TPU device")
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -178,7 +185,7 @@ def _export_problem(job: PostTrainJob, args: argparse.Namespace) -> str | None:
         )
     if args.step is not None and args.step not in steps:
         shown = ", ".join(map(str, steps))
-        return f"--step {args.step}: no checkpoint of that step under {uri}/{where} ({shown})"
+        return f"--step: no checkpoint {args.step} under {uri}/{where} (there: {shown})"
     return None
 
 
