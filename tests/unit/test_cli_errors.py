@@ -92,7 +92,9 @@ def test_export_flags_refused_before_loading(tmp_path):
     for step in (3, 6):
         (tmp_path / "run" / "checkpoints" / str(step)).mkdir(parents=True)
     r = posttrain("export", str(job), "--step", "5", seconds=4)
-    assert r.returncode == 65 and "--step: no checkpoint 5" in r.stderr and "(there: 3, 6)" in r.stderr
+    assert (
+        r.returncode == 65 and "--step: no checkpoint 5" in r.stderr and "(there: 3, 6)" in r.stderr
+    )
     r = posttrain("export", str(job), "--best", seconds=4)
     assert r.returncode == 65 and "--best" in r.stderr and "spec.checkpoint.keepBest" in r.stderr
     r = posttrain("export", str(job), "--output", str(tmp_path / "other"), seconds=4)
