@@ -81,5 +81,5 @@ def test_generate_names_what_it_cannot_load(tmp_path, monkeypatch, capsys):
     code, _, err = posttrain_generate(str(tmp_path / "nothing"), tmp_path, monkeypatch, capsys)
     assert code == 65
     assert err.strip().splitlines()[-1] == (
-        f"posttrain: MODEL_OR_JOB: {tmp_path / 'nothing'} is not a directory"
+        f"posttrain: MODEL_OR_JOB: {tmp_path / 'nothing'}: no such file or directory"
     )

@@ -50,3 +50,67 @@ def test_other_processes_show_nothing(monkeypatch, caplog):
     progress = Progress(4, 0, False, None, show_bar=True)
     progress.step(2, {"loss": 1.0}, log_now=True)
     assert progress.bar is None and not caplog.records
+
+
+METRICS = {
+    "loss": 2.3456,
+    "learning_rate": 0.0002,
+    "grad_norm": 1.234,
+    "kl": 0.0123,
+    "mean_reward": 0.5,
+    "tokens_per_second": 1234.5,
+}
+
+
+def last_line(screen: Terminal) -> str:
+    return screen.getvalue().split("\n")[-1].rsplit("\r", 1)[-1]
+
+
+def test_bar_stays_readable_at_80_columns(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = Progress(30, 0, True, None, show_bar=True, columns=80)
+    progress.step(2, METRICS, log_now=True)
+    bar = last_line(screen)
+    assert len(bar) <= 80, bar
+    assert "2/30" in bar and "loss=2.346" in bar and "tok/s=1234" in bar, bar
+    assert "grad_norm" not in bar  # the rest go to the log line
+    inner = bar[bar.index("|") + 1 : bar.rindex("|")]
+    assert len(inner) >= 10, bar  # the bar itself keeps a width worth looking at
+    progress.close(2, METRICS)
+
+
+def test_log_records_go_above_the_bar(monkeypatch, caplog):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    console = logging.StreamHandler(screen)  # as posttrain run's logging.basicConfig
+    logging.getLogger().addHandler(console)
+    caplog.set_level(logging.INFO)
+    try:
+        progress = Progress(4, 0, True, None, show_bar=True, columns=80)
+        progress.step(1, {"loss": 2.5}, log_now=False)
+        logging.getLogger("posttrain.trainer").warning("received SIGINT: checkpointing")
+        progress.step(2, METRICS, log_now=True)
+        progress.close(2, METRICS)
+    finally:
+        logging.getLogger().removeHandler(console)
+    lines = [line.rsplit("\r", 1)[-1] for line in screen.getvalue().split("\n")]
+    assert "received SIGINT: checkpointing" in lines  # a line of its own
+    every = [line for line in lines if line.startswith("step 2/4 ")]
+    assert every and "grad_norm=1.234" in every[0] and "tokens_per_second=" in every[0]
+
+
+def test_bar_says_what_happens_before_the_first_step(monkeypatch, caplog):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = Progress(4, 0, True, None, show_bar=True, columns=80)
+    progress.phase("compiling and running step 1")
+    assert last_line(screen).startswith("compiling and running step 1")
+    progress.step(1, {"loss": 2.5}, log_now=True)
+    assert last_line(screen).startswith(" 25%"), last_line(screen)
+    progress.close(1, {"loss": 2.5})
+    # Without a terminal: the same news as log lines.
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    caplog.set_level(logging.INFO, logger="posttrain.progress")
+    Progress(4, 0, True, None, show_bar=True).phase("evaluating step 0")
+    assert [r.getMessage() for r in caplog.records] == ["evaluating step 0"]

@@ -217,6 +217,8 @@ class History:
         entry: dict[str, Any] = {"step": step, "metrics": metrics}
         if samples:
             entry["samples"] = [{"prompt": p, "completion": c} for p, c in samples]
-        self.entries.append(entry)
+        # A step measured again replaces its entry (step 0 of a run stopped before its
+        # first checkpoint, measured again when the run starts over).
+        self.entries = [e for e in self.entries if e.get("step") != step] + [entry]
         if jax.process_index() == 0:
             storage.write_text(self.uri, json.dumps(self.entries, indent=2) + "\n")

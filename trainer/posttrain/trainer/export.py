@@ -5,6 +5,7 @@ checkpoint.keepBest checkpoint (`best_checkpoint`)."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from posttrain.trainer import models, optim, peft_format, storage
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
 from posttrain.trainer.models.saving import save_hf
 from posttrain.trainer.policy import load_policy, restore_into, shard_like_params, trainable_state
+
+log = logging.getLogger("posttrain.trainer")
 
 
 class OutputDir:
@@ -67,7 +70,9 @@ def export_checkpoint(
         raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
+    log.info("loading the model from %s", spec.model.source)
     policy = load_policy(spec, mesh, scratch)
+    log.info("restoring the checkpoint")
     opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
     with jax.set_mesh(mesh):
         shard_like_params(opt, mesh)
@@ -85,7 +90,9 @@ def export_checkpoint(
         if step is None:
             restored = checkpoints.restore_latest(target)
             if restored is None:
-                raise ValueError(f"spec.output.uri: {spec.output.uri}: no readable checkpoint to export")
+                raise ValueError(
+                    f"spec.output.uri: {spec.output.uri}: no readable checkpoint to export"
+                )
         else:
             restored = checkpoints.restore(step, target)
         checkpoints.close()
@@ -118,6 +125,7 @@ def export_model(
     if kind == "none":
         return None
     out = OutputDir(spec.output.uri, name, scratch)
+    log.info("writing the %s to %s", "adapter" if kind == "adapter" else "merged model", out.uri)
     if kind == "adapter":
         peft_format.save_peft_adapter(
             model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)

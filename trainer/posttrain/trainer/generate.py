@@ -141,12 +141,15 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.temperature < 0 or args.max_new_tokens < 1:
         print("posttrain: --temperature must be >= 0 and --max-new-tokens >= 1", file=sys.stderr)
         return 2
+    print(f"posttrain: loading {args.target}", file=sys.stderr, flush=True)
     try:
         model, tokenizer = load(args.target, Path(tempfile.mkdtemp(prefix="posttrain-")))
         ids = prompt_ids(tokenizer, args.prompt, args.chat_template)
     except (ValueError, OSError) as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    # The first token compiles the prefill and the decoding step: the longest wait.
+    print("posttrain: compiling, then the reply streams below", file=sys.stderr, flush=True)
     for piece in reply(model, tokenizer, ids, args):
         print(piece, end="", flush=True)
     print()

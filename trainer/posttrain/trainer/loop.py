@@ -20,6 +20,7 @@ import datetime
 import importlib
 import json
 import logging
+import os
 import signal
 import tempfile
 import threading
@@ -64,11 +65,23 @@ class Result:
     goodput: dict[str, Any] | None = None  # goodput.Ledger.summary() over every attempt
 
 
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT before the first training step: start-up stops at once (there is
+    nothing to checkpoint yet). A BaseException, so no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopFlag:
-    """Set by SIGTERM/SIGINT: finish the step, checkpoint, exit."""
+    """SIGTERM/SIGINT. Before the first training step (`training` not yet called) a signal
+    raises Interrupted at once; once steps run it is set: finish the step, checkpoint,
+    exit. A second signal then exits at once, without that checkpoint."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.stepping = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -76,8 +89,19 @@ class StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
+    def training(self) -> None:
+        """Steps start now: from here a signal checkpoints after the step."""
+        self.stepping = True
+
     def _handle(self, signum: int, frame: Any) -> None:
-        log.warning("received %s: checkpointing after this step", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if not self.stepping:
+            raise Interrupted(signum)
+        if self.event.is_set():
+            log.warning("received %s again: exiting now, without that checkpoint", name)
+            logging.shutdown()
+            os._exit(128 + signum)
+        log.warning("received %s: checkpointing after this step (again to exit at once)", name)
         self.event.set()
 
     def __bool__(self) -> bool:
@@ -219,8 +243,10 @@ def setup_run(
     started = started or (time.monotonic(), time.time())
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
+    log.info("loading the model from %s", spec.model.source)
     policy = load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
+    log.info("reading the data from %s", spec.data.source)
     loader, held_out = build_data(spec, tokenizer, process)
     return RunSetup(
         job,
@@ -321,9 +347,14 @@ def run_steps(
     clock.charge("startup")
     with jax.set_mesh(mesh):
         if evaluation is not None and result.step == 0 and evaluation.every_steps:
+            progress.phase("evaluating step 0")
             result.evals[0] = evaluation.evaluate(0, progress)  # where the curve starts
             clock.charge("eval")
         loss: Any = None
+        if isinstance(stop, StopFlag):
+            stop.training()
+        if result.step < total:
+            progress.phase(f"compiling and running step {result.step + 1}")
         while result.step < total and not stop:
             host_batch = next(loader)
             clock.data(device_busy=loss is not None and not _is_ready(loss))
@@ -356,6 +387,7 @@ def run_steps(
                 recorded = time.monotonic()
             clock.charge("other")
             if eval_now:
+                progress.phase(f"evaluating step {result.step}")
                 scores = result.evals[result.step] = evaluation.evaluate(result.step, progress)
                 if best is not None:
                     best.offer(
@@ -384,6 +416,7 @@ def run_steps(
             restored = best.restore(trainable_state(model, wrt, opt))
             restore_into(model, wrt, opt, restored.state)
             log.info("exporting the best %s, step %d", best.metric, restored.step)
+        progress.phase("exporting")
         result.export_dir = export_model(job, model, policy.info, scratch)
     if best is not None:
         best.close()

@@ -4,13 +4,15 @@ Exit codes: 0 done; 65 (USER_ERROR_EXIT_CODE) an error in the job's own input, w
 JobSet does not retry; 143 stopped by SIGTERM after saving a checkpoint (the JobSet
 restarts the job, which resumes from it); 75 a server did not answer: the Pathways proxy
 (see `posttrain.trainer.pathways`) or an hf:// source's Hub (storage.Unreachable), worth a
-restart; anything else is a crash worth a restart.
+restart; 130 Ctrl-C before the first step (nothing to save; SIGTERM then exits 143, the
+JobSet restarts it); anything else is a crash worth a restart.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.api.validate import InvalidJob, load_job, printable
 
 STOPPED_EXIT_CODE = 143
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C before the first step: nothing saved
 log = logging.getLogger("posttrain.trainer")
 
 
@@ -54,7 +57,7 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     except device_check.DeviceMismatch as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return e.exit_code
-    from posttrain.trainer.loop import StopFlag, train
+    from posttrain.trainer.loop import Interrupted, StopFlag, train
     from posttrain.trainer.models import remat_policy
 
     stop = StopFlag()
@@ -62,6 +65,9 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     try:
         with remat_policy(job.spec.training.remat):  # every model the job loads
             result = train(job, info, show_bar=show_bar, stop=stop)
+    except Interrupted as e:  # before the first step: nothing to save
+        print(f"posttrain: {e} before the first step; nothing saved", file=sys.stderr)
+        return STOPPED_EXIT_CODE if e.signum == signal.SIGTERM else INTERRUPTED_EXIT_CODE
     except storage.Unreachable as e:  # a server that did not answer: worth a retry
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE
@@ -71,7 +77,10 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
             return USER_ERROR_EXIT_CODE
         raise
     if result.stopped_early:
-        log.warning("stopped at step %d after saving a checkpoint", result.step)
+        if result.step == (result.resumed_from or 0):
+            log.warning("stopped before training a step; nothing new saved")
+        else:
+            log.warning("stopped at step %d after saving a checkpoint", result.step)
         return STOPPED_EXIT_CODE
     if result.export_dir and not result.already_finished:
         log.info("exported to %s", result.export_dir)

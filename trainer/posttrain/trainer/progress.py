@@ -30,6 +30,15 @@ def _shown(metrics: dict[str, float]) -> dict[str, str]:
     return {k: f"{v:.4g}" for k, v in metrics.items()}
 
 
+# What the bar shows (few, so that it stays readable at 80 columns); every metric goes to
+# the log line of each log step, above the bar.
+ON_BAR = {"loss": ("loss", "{:.4g}"), "tokens_per_second": ("tok/s", "{:.0f}")}
+
+
+def _on_bar(metrics: dict[str, float]) -> dict[str, str]:
+    return {name: fmt.format(metrics[k]) for k, (name, fmt) in ON_BAR.items() if k in metrics}
+
+
 class StatusWriter:
     """Merge-patches status.progress of one PostTrainJob."""
 
@@ -86,7 +95,9 @@ class Progress:
         show_bar: bool = True,
         status_interval_s: float = 10.0,
         goodput: Ledger | None = None,
+        columns: int | None = None,
     ):
+        """`columns`: the bar's width (default: the terminal's, following resizes)."""
         self.total, self.is_main = total_steps, is_main
         self.status = status if is_main else None
         self.status_interval_s = status_interval_s
@@ -97,6 +108,7 @@ class Progress:
         self.goodput = goodput
         self.writer = None
         self.bar = None
+        self._redirect: Any = None
         if not is_main:
             return
         if tensorboard_dir:
@@ -108,15 +120,31 @@ class Progress:
         self.log_lines = show_bar and not sys.stderr.isatty()
         if show_bar and not self.log_lines:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             # mininterval=0: a step is slower than a redraw, and every step shows its own.
             self.bar = tqdm(
                 total=total_steps,
                 initial=start_step,
                 unit="step",
-                dynamic_ncols=True,
+                dynamic_ncols=columns is None,
+                ncols=columns,
                 mininterval=0,
+                file=sys.stderr,
             )
+            # Log records (a warning, the log step's line) go above the bar, not into it.
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+
+    def phase(self, doing: str | None) -> None:
+        """What the run is doing between steps (compiling, evaluating): the bar's label
+        on a terminal, a log line otherwise; None when steps run again."""
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.set_description_str(f"{doing}" if doing else "", refresh=True)
+        elif doing:
+            log.info("%s", doing)
 
     def eta_seconds(self, step: int) -> int | None:
         done = step - self._start_step
@@ -130,12 +158,14 @@ class Progress:
         if not self.is_main:
             return
         if self.bar is not None:
+            if self.bar.desc:  # the first step is done: no longer compiling
+                self.bar.set_description_str("", refresh=False)
             if log_now:  # before the update, which redraws: the bar shows this step's numbers
-                self.bar.set_postfix(_shown(metrics), refresh=False)
+                self.bar.set_postfix(_on_bar(metrics), refresh=False)
             self.bar.update(step - self.bar.n)
         if not log_now:
             return
-        if self.log_lines:
+        if self.log_lines or self.bar is not None:
             shown = " ".join(f"{k}={v}" for k, v in _shown(metrics).items())
             log.info("step %d/%d %s", step, self.total, shown)
         if self.writer is not None:
@@ -207,3 +237,4 @@ class Progress:
             self.writer.close()
         if self.bar is not None:
             self.bar.close()
+            self._redirect.__exit__(None, None, None)
