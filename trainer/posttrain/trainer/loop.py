@@ -141,8 +141,7 @@ def train(
     exists under output.uri/checkpoints."""
     started = (time.monotonic(), time.time())  # goodput's startup begins here
     spec = job.spec
-    for field_name, uri in gcs_locations(spec):
-        storage.check_reachable(uri, field_name)
+    check_gcs_locations(spec)
     if (done := finished_run(spec)) is not None:
         return done
     technique = train_sft
@@ -498,6 +497,16 @@ def gcs_locations(spec: Any) -> list[tuple[str, str]]:
         ("spec.output.uri", spec.output.uri),
     ]
     return [(f, u) for f, u in candidates if u and storage.is_gcs(u)]
+
+
+def check_gcs_locations(spec: Any) -> None:
+    """Before anything loads: every gs:// bucket answers (storage.check_reachable), and
+    every gs:// input is there (an object or a prefix with objects); a ValueError names
+    the field of one that is not."""
+    for field_name, uri in gcs_locations(spec):
+        storage.check_reachable(uri, field_name)
+        if field_name != "spec.output.uri" and not storage.exists(uri):
+            raise ValueError(f"{field_name}: {uri}: no such object or prefix in the bucket")
 
 
 SUMMARY = "summary.json"
