@@ -137,9 +137,11 @@ def test_missing_inputs_name_the_field_and_the_directory_looked_in(tmp_path):
     assert r.returncode == 0 and r.stderr == ""
 
 
-def test_logs_without_a_cluster(tmp_path):
+@pytest.mark.parametrize("args", [["logs", "some-job"], ["operator"]])
+def test_without_a_cluster(tmp_path, args):
     env = {"KUBECONFIG": str(tmp_path / "no-kubeconfig"), "HOME": str(tmp_path)}
-    r = posttrain("logs", "some-job", env=env)
+    env["KUBERNETES_SERVICE_HOST"] = ""  # not in a pod either
+    r = posttrain(*args, env=env, seconds=10)
     assert r.returncode == 1 and "KUBECONFIG" in r.stderr
 
 

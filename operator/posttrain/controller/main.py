@@ -126,7 +126,15 @@ class NoDiffBase(kopf.DiffBaseStorage):
 def operator_command(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps stacks
     _configure_logging()
-    _load_kube_config()
+    try:
+        _load_kube_config()
+    except (kube_config.ConfigException, OSError) as e:
+        print(
+            f"posttrain operator: no Kubernetes cluster configured ({' '.join(str(e).split())}):"
+            " run it in a pod, or set KUBECONFIG",
+            file=sys.stderr,
+        )
+        return 1
     reconcile.State.render_config = _render_config()
     metrics.serve(args.metrics_port)
     log = logging.getLogger("posttrain.operator")
