@@ -57,6 +57,12 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     except device_check.DeviceMismatch as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return e.exit_code
+    # In a pod, once its devices are known good: the volumes' inputs and output (locally,
+    # run_command checked them before JAX loaded).
+    if in_pod and (problems := _preflight(job, None, "spec.output.uri")):
+        for line in problems:
+            print(f"posttrain: {line}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
     from posttrain.trainer.loop import Interrupted, StopFlag, train
     from posttrain.trainer.models import remat_policy
 
@@ -109,10 +115,6 @@ def train_command(args: argparse.Namespace) -> int:
         job = load_job(args.config)
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
-    if problems := _preflight(job, None, "spec.output.uri"):
-        for line in problems:
-            print(f"posttrain: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     return _run(job, show_bar=False, in_pod=True)
 
