@@ -105,10 +105,14 @@ def test_bar_says_what_happens_before_the_first_step(monkeypatch, caplog):
     monkeypatch.setattr("sys.stderr", screen)
     progress = Progress(4, 0, True, None, show_bar=True, columns=80)
     progress.phase("compiling and running step 1")
-    assert last_line(screen).startswith("compiling and running step 1")
+    assert "0/4" in last_line(screen) and "compiling and running step 1" in last_line(screen)
     progress.step(1, {"loss": 2.5}, log_now=True)
-    assert last_line(screen).startswith(" 25%"), last_line(screen)
-    progress.close(1, {"loss": 2.5})
+    assert "1/4" in last_line(screen) and "compiling" not in last_line(screen)
+    progress.phase("evaluating step 1")
+    assert "evaluating step 1" in last_line(screen) and "loss" not in last_line(screen)
+    progress.step(2, {"loss": 2.0}, log_now=False)  # the numbers of the last log step
+    assert "2/4" in last_line(screen) and "loss=2.5" in last_line(screen)
+    progress.close(2, {"loss": 2.0})
     # Without a terminal: the same news as log lines.
     monkeypatch.setattr("sys.stderr", io.StringIO())
     caplog.set_level(logging.INFO, logger="posttrain.progress")

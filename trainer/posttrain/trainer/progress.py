@@ -109,6 +109,7 @@ class Progress:
         self.writer = None
         self.bar = None
         self._redirect: Any = None
+        self._bar_metrics: list[str] = []  # the bar's latest metrics, as shown
         if not is_main:
             return
         if tensorboard_dir:
@@ -141,8 +142,8 @@ class Progress:
         on a terminal, a log line otherwise; None when steps run again."""
         if not self.is_main:
             return
-        if self.bar is not None:
-            self.bar.set_description_str(f"{doing}" if doing else "", refresh=True)
+        if self.bar is not None:  # in the metrics' place: the bar keeps its width
+            self.bar.set_postfix_str(doing or ", ".join(self._bar_metrics), refresh=True)
         elif doing:
             log.info("%s", doing)
 
@@ -158,10 +159,12 @@ class Progress:
         if not self.is_main:
             return
         if self.bar is not None:
-            if self.bar.desc:  # the first step is done: no longer compiling
-                self.bar.set_description_str("", refresh=False)
-            if log_now:  # before the update, which redraws: the bar shows this step's numbers
-                self.bar.set_postfix(_on_bar(metrics), refresh=False)
+            if log_now:
+                shown = _on_bar(metrics)
+                self._bar_metrics = [f"{k}={v}" for k, v in shown.items()]
+            # Before the update, which redraws: the bar shows this step's numbers (in
+            # place of a phase such as compiling, which this step ended).
+            self.bar.set_postfix_str(", ".join(self._bar_metrics), refresh=False)
             self.bar.update(step - self.bar.n)
         if not log_now:
             return
