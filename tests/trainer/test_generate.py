@@ -75,6 +75,11 @@ def test_generate_from_a_job_file_or_its_adapter_in_another_directory(
     assert by_job[0] == 0, by_job[2][-2000:]
     assert by_adapter[0] == 0, by_adapter[2][-2000:]
     assert by_job[1] == by_adapter[1] and by_job[1].strip()
+    # What it does before the first token, on stderr (the reply alone is on stdout).
+    assert by_job[2].splitlines()[:2] == [
+        f"posttrain: loading {trained}",
+        "posttrain: compiling, then the reply streams below",
+    ], by_job[2]
 
 
 def test_generate_names_what_it_cannot_load(tmp_path, monkeypatch, capsys):
