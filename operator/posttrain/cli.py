@@ -188,6 +188,17 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 65
+    if target.endswith((".yaml", ".yml")) and Path(target).is_file():
+        if (job := _load(target)) is None:
+            return 65
+        export = f"{job.spec.output.uri.rstrip('/')}/hf"
+        if not export.startswith("gs://") and not Path(export).is_dir():
+            print(
+                f"posttrain: MODEL_OR_JOB: {printable(target)}: no export at "
+                f"{printable(export)} yet (posttrain run {printable(target)} first)",
+                file=sys.stderr,
+            )
+            return 65
     return _lazy("posttrain.trainer.generate", "generate_command")(args)
 
 

@@ -87,6 +87,13 @@ def test_export_of_a_job_that_never_ran(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing made on the way
 
 
+def test_generate_from_a_job_that_never_ran(tmp_path):
+    job = job_file(tmp_path)
+    r = posttrain("generate", str(job), "--prompt", "hi", seconds=4)
+    assert r.returncode == 65
+    assert f"no export at {tmp_path / 'run' / 'hf'} yet (posttrain run {job} first)" in r.stderr
+
+
 def test_export_flags_refused_before_loading(tmp_path):
     job = job_file(tmp_path)
     for step in (3, 6):
