@@ -22,17 +22,22 @@ from posttrain.api.validate import printable
 REMOTE = ("gs://", "hf://")
 
 
-def _inputs(spec: Any) -> list[tuple[str, str | None, str]]:
-    """(field, location, kind) of every local input a run reads; kind is 'dir' (a model
-    directory) or 'path' (a file or a directory of files)."""
+# What a directory input must hold: a Hugging Face model's config.json, a PEFT adapter's
+# adapter_config.json.
+MODEL, ADAPTER = "config.json", "adapter_config.json"
+
+
+def _inputs(spec: Any) -> list[tuple[str, str | None, str | None]]:
+    """(field, location, kind) of every local input a run reads; kind is the file a
+    directory must hold (MODEL, ADAPTER), or None for a file or a directory of files."""
     teacher = spec.distill.teacher if spec.distill else None
     return [
-        ("spec.model.source", spec.model.source, "dir"),
-        ("spec.data.source", spec.data.source, "path"),
-        ("spec.data.chatTemplate", spec.data.chat_template, "path"),
-        ("spec.eval.source", spec.eval.source if spec.eval else None, "path"),
-        ("spec.distill.teacher.source", teacher.source if teacher else None, "dir"),
-        ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None, "dir"),
+        ("spec.model.source", spec.model.source, MODEL),
+        ("spec.data.source", spec.data.source, None),
+        ("spec.data.chatTemplate", spec.data.chat_template, None),
+        ("spec.eval.source", spec.eval.source if spec.eval else None, None),
+        ("spec.distill.teacher.source", teacher.source if teacher else None, MODEL),
+        ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None, ADAPTER),
     ]
 
 
@@ -56,12 +61,15 @@ def missing_inputs(spec: Any, job_file: str | None = None) -> list[str]:
     for field, location, kind in _inputs(spec):
         if not location or location.startswith(REMOTE):
             continue
-        path = Path(location).expanduser()
-        if kind == "dir" and path.is_file():
-            problems.append(f"{field}: {printable(location)} is a file, not a model directory")
-        elif not path.exists():
-            what = "no such directory" if kind == "dir" else "no such file or directory"
-            problems.append(f"{field}: {printable(location)}: {what}{_where(location, job_file)}")
+        path, shown = Path(location).expanduser(), printable(location)
+        what = "a model" if kind == MODEL else "an adapter"
+        if not path.exists():
+            missing = "no such directory" if kind else "no such file or directory"
+            problems.append(f"{field}: {shown}: {missing}{_where(location, job_file)}")
+        elif kind and not path.is_dir():
+            problems.append(f"{field}: {shown} is a file, not {what} directory")
+        elif kind and not (path / kind).is_file():
+            problems.append(f"{field}: {shown} has no {kind}: not {what} directory")
     return problems
 
 

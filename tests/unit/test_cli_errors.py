@@ -36,9 +36,10 @@ def posttrain(*args, cwd=ROOT, env=None, seconds=None):
 
 
 def job_file(tmp_path: Path, **spec) -> Path:
-    """A valid local job whose model directory and data file exist (empty: nothing loads
-    them before these checks)."""
+    """A valid local job whose model directory and data file exist (all but empty:
+    nothing loads them before these checks)."""
     (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "train.jsonl").write_text("")
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
@@ -142,6 +143,10 @@ def test_missing_inputs_name_the_field_and_the_directory_looked_in(tmp_path):
     assert not (sub / "run").exists()  # refused before the output is made
     r = posttrain("validate", str(job), cwd=sub)  # from there: no warning
     assert r.returncode == 0 and r.stderr == ""
+    (sub / "model" / "config.json").unlink()
+    r = posttrain("run", str(job), cwd=sub, seconds=4)
+    assert r.returncode == 65
+    assert f"spec.model.source: {sub / 'model'} has no config.json" in r.stderr
 
 
 @pytest.mark.parametrize("args", [["logs", "some-job"], ["operator"]])
