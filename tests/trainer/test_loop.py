@@ -311,6 +311,7 @@ def test_an_unreachable_bucket_is_one_line_naming_the_field_and_a_retry(tmp_path
     """Cloud Storage does not answer (STORAGE_EMULATOR_HOST at a closed local port): one
     line naming the field and the address before anything loads, exit 75."""
     doc = job_doc(tmp_path, tmp_path / "out", steps=2)
+    (tmp_path / "config.json").write_text("{}")  # a model directory to the local checks
     doc["spec"]["data"]["source"] = "gs://ptdata/chat.jsonl"
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(doc))
