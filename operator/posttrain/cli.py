@@ -10,9 +10,10 @@ posttrain operator           run the controller (operator extra)
 
 Exit codes: 0 done; 1 a file that is not a valid job (validate, estimate, render), nothing
 to show (logs), or an unexpected error, in one line (POSTTRAIN_TRACEBACK=1 prints its
-traceback); 2 bad flags; 65 an error in the job's input, named by field or flag (run,
-export, generate, train); 75 a server that did not answer; 130 interrupted (Ctrl-C);
-143 stopped by SIGTERM after saving a checkpoint.
+traceback); 2 bad flags; 65 an error in the job's input, named by field, file or flag
+(run, export, generate, convert-gguf, train); 75 a server that did not answer; 130
+interrupted (Ctrl-C; for run, before its first step); 143 run or train stopped by SIGTERM
+(or run by Ctrl-C once training), after saving a checkpoint when a step was done.
 """
 
 from __future__ import annotations
