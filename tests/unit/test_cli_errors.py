@@ -175,7 +175,7 @@ def test_steps_below_the_warmup_caps_the_warmup(tmp_path, capsys):
 
     short = _load_run(flags(2))
     assert (short.spec.training.steps, short.spec.training.warmup_steps) == (2, 1)
-    assert "--steps 2" in capsys.readouterr().err
+    assert "--steps 2: spec.training.warmupSteps 4 capped to 1" in capsys.readouterr().err
     assert _load_run(flags(6)).spec.training.warmup_steps == 4  # above it: as written
     with pytest.raises(InvalidJob, match="spec.training.steps"):
         _load_run(flags(0))

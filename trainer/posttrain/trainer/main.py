@@ -131,8 +131,12 @@ def _load_run(args: argparse.Namespace) -> PostTrainJob:
         if not (warmup_only and isinstance(args.steps, int) and args.steps > 0):
             raise
     job = load_job(args.file, {**overrides, "spec.training.warmupSteps": args.steps - 1})
+    try:
+        written = f" {load_job(args.file).spec.training.warmup_steps}"
+    except InvalidJob:
+        written = ""
     print(
-        f"posttrain: --steps {args.steps}: spec.training.warmupSteps capped to "
+        f"posttrain: --steps {args.steps}: spec.training.warmupSteps{written} capped to "
         f"{args.steps - 1} for this run",
         file=sys.stderr,
     )
