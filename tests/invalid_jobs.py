@@ -202,7 +202,7 @@ CASES: list[Case] = [
         "warmup-not-below-steps",
         _set("spec.training", {"steps": 10, "warmupSteps": 10}),
         "spec.training.warmupSteps",
-        "less than training.steps",
+        "training.warmupSteps (10) must be less than training.steps (10)",
     ),
     Case(
         "batch-not-multiple-of-accumulation",

@@ -50,6 +50,38 @@ def _missing_here(job: PostTrainJob, path: str) -> list[str]:
     return [f"{line}; posttrain run needs it here" for line in missing_inputs(job.spec, path)]
 
 
+def _unreadable_in_gcs(job: PostTrainJob) -> tuple[list[str], str | None]:
+    """gs:// inputs that this machine's Google credentials cannot read (a missing bucket
+    or object, no access), and a note when they were not checked: no credentials here,
+    no Cloud Storage client, or no answer. One bounded request per bucket and object."""
+    from posttrain.local_paths import gcs_inputs
+
+    if not (inputs := gcs_inputs(job.spec)):
+        return [], None
+    try:
+        import google.cloud.storage  # noqa: F401 - the trainer extra's client
+
+        from posttrain.trainer import storage
+    except ImportError:
+        return [], "gs:// inputs not checked (reading Cloud Storage needs posttrain[trainer])"
+    if not storage.credentials_found():
+        return [], (
+            "gs:// inputs not checked: no Google credentials here "
+            "(gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS)"
+        )
+    problems = []
+    for field, uri in inputs:
+        try:
+            storage.check_reachable(uri, field)
+            if not storage.exists(uri):
+                problems.append(f"{field}: {uri}: no such object or prefix in the bucket")
+        except ValueError as e:
+            problems.append(str(e))
+        except storage.Unreachable as e:
+            return problems, f"gs:// inputs not all checked: {e}"
+    return problems, None
+
+
 def _validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:  # a bad file does not stop the others
@@ -57,8 +89,11 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
         else:
             print(f"{printable(path)}: valid")
-            for line in [*warnings(job), *_missing_here(job, path)]:
-                print(f"{printable(path)}: warning: {line}", file=sys.stderr)
+            in_gcs, note = _unreadable_in_gcs(job)
+            for line in [*warnings(job), *_missing_here(job, path), *in_gcs]:
+                print(f"{printable(path)}: warning: {printable(line)}", file=sys.stderr)
+            if note:
+                print(f"{printable(path)}: note: {printable(note)}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -5,8 +5,10 @@ written.
 A relative path in a job resolves against the working directory of the command (as the
 trainer opens it, and as a pod resolves it against its container's working directory),
 not against the job file's directory; the messages say where they looked, and when the
-path exists under the job file's directory or one above it, where to run from. gs:// and hf:// locations are not checked here.
-No JAX, no cloud clients: these run in well under a second.
+path exists under the job file's directory or one above it, where to run from.
+
+gs:// and hf:// locations are not checked here (posttrain.trainer.storage asks the
+bucket). No JAX, no cloud clients: these run in well under a second.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def _inputs(spec: Any) -> list[tuple[str, str | None, str | None]]:
     ]
 
 
+def gcs_inputs(spec: Any) -> list[tuple[str, str]]:
+    """(field, URI) of every gs:// input a run reads."""
+    return [(f, loc) for f, loc, _ in _inputs(spec) if loc and loc.startswith("gs://")]
+
+
 def _where(path: str, job_file: str | None) -> str:
     """Where a relative path was looked for, and the fix when it is beside the job file."""
     if Path(path).is_absolute():
@@ -73,14 +80,22 @@ def missing_inputs(spec: Any, job_file: str | None = None) -> list[str]:
     return problems
 
 
-def unwritable_output(uri: str, field: str = "spec.output.uri") -> str | None:
+def unwritable_output(uri: str, field: str = "spec.output.uri", create: bool = True) -> str | None:
     """Why a local output location cannot be written (one line naming `field`), or None.
-    Creates the directory, as the run would, and writes and removes one probe file."""
+    Writes and removes one probe file: in the directory, created as the run would, or
+    with `create` False in the nearest directory above it that exists (nothing is left
+    behind)."""
     if uri.startswith(REMOTE):
         return None
     path = Path(uri).expanduser()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            while not path.exists() and path.parent != path:
+                path = path.parent
+            if not path.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory")
         fd, probe = tempfile.mkstemp(prefix=".posttrain-probe-", dir=path)
         os.close(fd)
         os.unlink(probe)

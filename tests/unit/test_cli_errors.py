@@ -5,12 +5,17 @@ job that never ran, an output that cannot be written, no cluster configured."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
@@ -191,3 +196,112 @@ def test_cpu_runs_do_not_ask_for_jax_tpu(caplog):
     absl_logging.warning("Skipping non-TPU device: %s. You might be missing jax[tpu]", "cpu")
     absl_logging.warning("a warning worth reading")
     assert [r.getMessage() for r in caplog.records] == ["a warning worth reading"]
+
+
+def test_a_warmup_not_below_the_steps_shows_both_and_the_way_out(tmp_path):
+    job = job_file(tmp_path, training={"steps": 10, "warmupSteps": 20})
+    said = "spec.training.warmupSteps: training.warmupSteps (20) must be less than "
+    said += "training.steps (10)"
+    r = posttrain("validate", str(job))
+    assert r.returncode == 1 and f"{job}: {said}\n" == r.stderr
+    r = posttrain("run", str(job), seconds=4)
+    assert r.returncode == 65 and said in r.stderr and "--steps N" in r.stderr
+
+
+def test_crd_message_shows_the_values_too():
+    from posttrain.api import crd
+
+    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rule = next(r for r in spec["x-kubernetes-validations"] if ".warmupSteps <" in r["rule"])
+    assert rule["messageExpression"] == (
+        "'training.warmupSteps (' + string(self.training.warmupSteps) + ') must be less than "
+        "training.steps (' + string(self.training.steps) + ')'"
+    )
+
+
+@pytest.mark.parametrize("step", [None, 3])
+def test_export_refuses_an_export_directory_it_cannot_write(tmp_path, step):
+    job = job_file(tmp_path)
+    (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
+    name = "hf" if step is None else f"hf-step-{step}"
+    (tmp_path / "run" / name).write_text("in the way")  # export writes the directory there
+    r = posttrain("export", str(job), *(["--step", str(step)] if step else []), seconds=4)
+    assert r.returncode == 65 and "spec.output.uri" in r.stderr
+    assert f"{tmp_path / 'run' / name}: cannot write there: a file is in the way" in r.stderr
+
+
+class _ReadOnlyGcs(BaseHTTPRequestHandler):
+    """Cloud Storage's JSON API as an identity that may list but not write or delete
+    (`forbidden`) sees it: reads answer, the rest is 403 as from storage.googleapis.com."""
+
+    forbidden: ClassVar[set[str]] = {"POST"}
+    prefixes: ClassVar[list[str]] = []
+
+    def _answer(self, code: int, body: dict | None = None) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _refuse(self) -> bool:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.command not in self.forbidden:
+            return False
+        message = "caller does not have storage.objects.create access to the bucket"
+        self._answer(403, {"error": {"code": 403, "message": message}})
+        return True
+
+    def do_GET(self):
+        self._answer(200, {"kind": "storage#objects", "items": [], "prefixes": self.prefixes})
+
+    def do_POST(self):
+        if not self._refuse():
+            self._answer(200, {"bucket": "ro", "name": "probe", "generation": "1"})
+
+    def do_DELETE(self):
+        if not self._refuse():
+            self._answer(204)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def read_only_gcs(forbidden: set[str], prefixes: list[str] = ()):
+    """STORAGE_EMULATOR_HOST for a bucket this identity may list but not write."""
+    handler = type("Handler", (_ReadOnlyGcs,), {"forbidden": forbidden, "prefixes": prefixes})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address
+        yield {"STORAGE_EMULATOR_HOST": f"http://{host}:{port}", "GOOGLE_CLOUD_PROJECT": "t"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("forbidden, verb", [({"POST"}, "write"), ({"DELETE"}, "delete")])
+def test_run_refuses_a_bucket_it_may_not_write(tmp_path, forbidden, verb):
+    job = job_file(tmp_path)
+    with read_only_gcs(forbidden) as env:
+        r = posttrain("run", str(job), "--output", "gs://ro/run", env=env, seconds=10)
+    assert r.returncode == 65, r.stderr
+    assert r.stderr.startswith(
+        f"posttrain: {job}: --output (spec.output.uri): gs://ro/run: this identity may not "
+        f"{verb} objects in bucket 'ro'"
+    ), r.stderr
+
+
+def test_export_refuses_a_bucket_it_may_not_write(tmp_path):
+    job = job_file(tmp_path)
+    with read_only_gcs({"POST"}, prefixes=["run/checkpoints/3/"]) as env:
+        r = posttrain("export", str(job), "--output", "gs://ro/run", env=env, seconds=10)
+        assert r.returncode == 65, r.stderr
+        assert "--output (spec.output.uri): gs://ro/run/hf: this identity may not write" in (
+            r.stderr
+        )
+        r = posttrain("export", str(job), "--output", "gs://ro/run", "--step", "2", env=env)
+        assert r.returncode == 65 and "no checkpoint 2 under gs://ro/run/checkpoints" in r.stderr

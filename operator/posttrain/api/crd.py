@@ -130,7 +130,13 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _cel(rule_list: list[rules.Rule]) -> list[dict[str, str]]:
-    return [{"rule": r.cel, "message": r.message, "fieldPath": "." + r.field} for r in rule_list]
+    out = []
+    for r in rule_list:
+        rule = {"rule": r.cel, "message": r.message, "fieldPath": "." + r.field}
+        if r.message_cel:
+            rule["messageExpression"] = r.message_cel
+        out.append(rule)
+    return out
 
 
 def spec_schema() -> dict[str, Any]:

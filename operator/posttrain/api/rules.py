@@ -23,6 +23,13 @@ class Rule:
     cel: str  # evaluated with self = that object
     check: Callable[..., bool]  # the same check in Python: True when valid
     message: str
+    # A message that shows the values, as CEL (the CRD's messageExpression; `message`
+    # stays the API server's fallback) and in Python: the same text from both.
+    message_cel: str | None = None
+    detail: Callable[..., str] | None = None
+
+    def message_for(self, obj: object) -> str:
+        return self.detail(obj) if self.detail else self.message
 
 
 def _only_with_its_technique(section: str) -> Rule:
@@ -98,6 +105,12 @@ RULES: list[Rule] = [
         "self.training.warmupSteps < self.training.steps",
         lambda s: s.training.warmup_steps < s.training.steps,
         "training.warmupSteps must be less than training.steps",
+        "'training.warmupSteps (' + string(self.training.warmupSteps) + ') must be less than "
+        "training.steps (' + string(self.training.steps) + ')'",
+        lambda s: (
+            f"training.warmupSteps ({s.training.warmup_steps}) must be less than "
+            f"training.steps ({s.training.steps})"
+        ),
     ),
     Rule(
         "training.gradientAccumulation",
@@ -207,11 +220,11 @@ REWARD_RULES: list[Rule] = [
 
 def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
     """(field path, message) for every rule the spec breaks."""
-    out = [(f"spec.{r.field}", r.message) for r in RULES if not r.check(spec)]
+    out = [(f"spec.{r.field}", r.message_for(spec)) for r in RULES if not r.check(spec)]
     rewards: list[RewardSpec] = spec.grpo.rewards if spec.grpo else []
     for i, reward in enumerate(rewards):
         out += [
-            (f"spec.grpo.rewards[{i}].{r.field}", r.message)
+            (f"spec.grpo.rewards[{i}].{r.field}", r.message_for(reward))
             for r in REWARD_RULES
             if not r.check(reward)
         ]

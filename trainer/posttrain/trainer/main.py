@@ -14,10 +14,9 @@ import argparse
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
-from posttrain.api.validate import InvalidJob, load_job, printable
+from posttrain.api.validate import FieldError, InvalidJob, load_job, printable
 
 STOPPED_EXIT_CODE = 143
 INTERRUPTED_EXIT_CODE = 130  # Ctrl-C before the first step: nothing saved
@@ -59,7 +58,12 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         return e.exit_code
     # In a pod, once its devices are known good: the volumes' inputs and output (locally,
     # run_command checked them before JAX loaded).
-    if in_pod and (problems := _preflight(job, None, "spec.output.uri")):
+    try:
+        problems = _preflight(job, None, "spec.output.uri") if in_pod else []
+    except storage.Unreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
+    if problems:
         for line in problems:
             print(f"posttrain: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
@@ -119,6 +123,9 @@ def train_command(args: argparse.Namespace) -> int:
     return _run(job, show_bar=False, in_pod=True)
 
 
+WARMUP = "spec.training.warmupSteps"
+
+
 def _load_run(args: argparse.Namespace) -> PostTrainJob:
     """The job of `posttrain run FILE [--output] [--steps]`. A --steps at or below the
     file's spec.training.warmupSteps caps the warmup to the shortened run (steps - 1)."""
@@ -127,7 +134,9 @@ def _load_run(args: argparse.Namespace) -> PostTrainJob:
     try:
         return load_job(args.file, overrides)
     except InvalidJob as e:
-        warmup_only = [err.field for err in e.errors] == ["spec.training.warmupSteps"]
+        warmup_only = [err.field for err in e.errors] == [WARMUP]
+        if args.steps is None:  # the file's own warmup: --steps is the other way out
+            raise InvalidJob([_with_steps_hint(err) for err in e.errors], e.source) from None
         if not (warmup_only and isinstance(args.steps, int) and args.steps > 0):
             raise
     job = load_job(args.file, {**overrides, "spec.training.warmupSteps": args.steps - 1})
@@ -143,15 +152,38 @@ def _load_run(args: argparse.Namespace) -> PostTrainJob:
     return job
 
 
+def _with_steps_hint(err: FieldError) -> FieldError:
+    """The warmup rule's error (api.rules), saying that --steps caps the warmup."""
+    if err.field != WARMUP or "less than training.steps" not in err.message:
+        return err
+    hint = "; or run N steps with --steps N, which caps the warmup at N - 1"
+    return FieldError(err.field, err.message + hint)
+
+
 def _preflight(job: PostTrainJob, job_file: str | None, output_field: str) -> list[str]:
     """What stops the run before anything loads: a local input that is not there, an
-    output that cannot be written (posttrain.local_paths)."""
-    from posttrain.local_paths import missing_inputs, unwritable_output
+    output that cannot be written (posttrain.local_paths; a gs:// one by writing and
+    deleting a probe object). A server that does not answer raises storage.Unreachable."""
+    from posttrain.local_paths import missing_inputs
 
     if problems := missing_inputs(job.spec, job_file):
         return problems  # before the output directory is made
-    why = unwritable_output(job.spec.output.uri, output_field)
+    why = _unwritable(job.spec.output.uri, output_field)
     return [why] if why else []
+
+
+def _unwritable(uri: str, field: str, create: bool = True) -> str | None:
+    """Why the output `uri` cannot be written, in one line naming `field`, or None."""
+    from posttrain.local_paths import unwritable_output
+    from posttrain.trainer import storage
+
+    if not storage.is_gcs(uri):
+        return unwritable_output(uri, field, create=create)
+    try:
+        storage.check_writable(uri, field)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -162,8 +194,15 @@ def run_command(args: argparse.Namespace) -> int:
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    from posttrain.trainer import pathways, storage
+
     output_field = "--output (spec.output.uri)" if args.output else "spec.output.uri"
-    if problems := _preflight(job, args.file, output_field):
+    try:
+        problems = _preflight(job, args.file, output_field)
+    except storage.Unreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
+    if problems:
         for line in problems:
             print(f"posttrain: {args.file}: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
@@ -171,28 +210,26 @@ def run_command(args: argparse.Namespace) -> int:
     return _run(job, show_bar=True)
 
 
-def _local_steps(directory: Path) -> list[int]:
-    """The step numbers of the checkpoints saved under a local directory."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-
-
 def _export_problem(job: PostTrainJob, args: argparse.Namespace) -> str | None:
     """Why `posttrain export` cannot export what it was asked to, found without loading
-    the model (one line naming the flag or field), or None. A gs:// output is checked when
-    its checkpoints are read."""
+    the model (one line naming the flag or field), or None: no checkpoint to export, or
+    an export directory that cannot be written. A gs:// output's bucket is asked (a server
+    that does not answer raises storage.Unreachable)."""
+    from posttrain.trainer import storage
+
     spec = job.spec
     if args.format == "adapter" and not spec.lora:
         return "--format adapter: the job has no spec.lora (a full fine-tune)"
     if args.best and spec.checkpoint.keep_best is None:
         return "--best: the job has no spec.checkpoint.keepBest"
     uri = spec.output.uri
-    if uri.startswith("gs://"):
-        return None
-    where = "checkpoints-best" if args.best else "checkpoints"
-    steps = _local_steps(Path(uri) / where)
     field = "--output (spec.output.uri)" if args.output else "spec.output.uri"
+    try:
+        storage.check_reachable(uri, field)
+    except ValueError as e:
+        return str(e)
+    where = "checkpoints-best" if args.best else "checkpoints"
+    steps = sorted(int(d) for d in storage.list_dirs(storage.join(uri, where)) if d.isdigit())
     if not steps:
         return (
             f"{field}: {uri} has no {where}/ to export: train first "
@@ -201,7 +238,10 @@ def _export_problem(job: PostTrainJob, args: argparse.Namespace) -> str | None:
     if args.step is not None and args.step not in steps:
         shown = ", ".join(map(str, steps))
         return f"--step: no checkpoint {args.step} under {uri}/{where} (there: {shown})"
-    return None
+    # Where export_checkpoint writes: hf/, or hf-step-<step>/ for a chosen checkpoint.
+    chosen = args.step if args.step is not None else steps[-1] if args.best else None
+    name = "hf" if chosen is None else f"hf-step-{chosen}"
+    return _unwritable(storage.join(uri, name), field, create=False)
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -213,10 +253,16 @@ def export_command(args: argparse.Namespace) -> int:
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    if (why := _export_problem(job, args)) is not None:  # before loading anything
+    from posttrain.trainer import pathways, storage
+
+    try:
+        why = _export_problem(job, args)  # before loading anything
+    except storage.Unreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
+    if why is not None:
         print(f"posttrain: {args.file}: {why}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    from posttrain.trainer import pathways, storage
     from posttrain.trainer.export import export_checkpoint
 
     try:

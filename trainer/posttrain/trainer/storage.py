@@ -328,3 +328,81 @@ def root_cause(e: BaseException, limit: int = 160) -> str:
     while root.__cause__ or root.__context__:
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
     return f"{type(root).__name__}: {' '.join(str(root).split())}"[:limit]
+
+
+def check_writable(uri: str, field: str) -> None:
+    """Before a run writes under a gs:// location: its bucket answers (check_reachable),
+    and this identity may create and delete objects there, found by writing one empty
+    probe object under `uri` and deleting it. A ValueError names `field`; a server that
+    does not answer is Unreachable. Local paths pass (posttrain.local_paths checks them)."""
+    if not is_gcs(uri):
+        return
+    import uuid
+
+    from google.api_core import exceptions as api
+
+    check_reachable(uri, field)
+    bucket, _ = split_gcs(uri)
+    probe = blob(join(uri, f".posttrain-probe-{uuid.uuid4().hex}"))
+    once: dict[str, Any] = {"timeout": 10, "retry": None}  # bounded, like check_reachable
+    for verb, permission, act in (
+        ("write", "storage.objects.create", lambda: probe.upload_from_string(b"", **once)),
+        ("delete", "storage.objects.delete", lambda: probe.delete(**once)),
+    ):
+        try:
+            _answered(uri, field, act)
+        except api.Forbidden:
+            left = f"; remove gs://{bucket}/{probe.name}" if verb == "delete" else ""
+            raise ValueError(
+                f"{field}: {uri}: this identity may not {verb} objects in bucket {bucket!r} "
+                f"(a run needs {permission}){left}"
+            ) from None
+        except api.GoogleAPICallError as e:
+            why = " ".join(str(e.message or e).split())[:160]
+            raise ValueError(f"{field}: {uri}: cannot {verb} there ({e.code}: {why})") from None
+
+
+def _answered(uri: str, field: str, act: Any) -> Any:
+    """act(), with a server that does not answer raised as Unreachable naming `field`."""
+    import google.auth.exceptions
+    import requests
+
+    try:
+        return act()
+    except (
+        requests.exceptions.RequestException,
+        google.auth.exceptions.TransportError,
+        ConnectionError,
+        TimeoutError,
+    ) as e:
+        endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "storage.googleapis.com"
+        raise Unreachable(f"{field}: cannot reach {uri} at {endpoint} ({root_cause(e)})") from None
+
+
+def list_dirs(uri: str) -> list[str]:
+    """The names of the directories directly under a local directory or gs:// prefix
+    (on gs://, the prefixes that hold objects), sorted; none when it is not there."""
+    if not is_gcs(uri):
+        root = Path(uri)
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    bucket, path = split_gcs(uri)
+    prefix = path + "/" if path else ""
+    pages = gcs_client().list_blobs(bucket, prefix=prefix, delimiter="/", timeout=10)
+    for _ in pages:  # the prefixes fill in as the pages are read
+        pass
+    return sorted(p[len(prefix) :].rstrip("/") for p in pages.prefixes)
+
+
+def credentials_found() -> bool:
+    """Whether Google credentials are at hand without asking a server: an emulator
+    (STORAGE_EMULATOR_HOST), GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default
+    credentials file, or a Compute Engine VM or GKE node (its metadata server)."""
+    if os.environ.get("STORAGE_EMULATOR_HOST") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return True
+    config = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+    if os.path.isfile(os.path.join(config, "application_default_credentials.json")):
+        return True
+    try:
+        return "Google" in Path("/sys/class/dmi/id/product_name").read_text()
+    except OSError:
+        return False
