@@ -78,7 +78,7 @@ def _unreadable_in_gcs(job: PostTrainJob) -> tuple[list[str], str | None]:
         except ValueError as e:
             problems.append(str(e))
         except storage.Unreachable as e:
-            return problems, f"gs:// inputs not all checked: {e}"
+            return problems, f"gs:// inputs not checked: {e}"
     return problems, None
 
 

@@ -219,13 +219,15 @@ def test_crd_message_shows_the_values_too():
     )
 
 
-@pytest.mark.parametrize("step", [None, 3])
-def test_export_refuses_an_export_directory_it_cannot_write(tmp_path, step):
+@pytest.mark.parametrize(
+    "flags, name",
+    [([], "hf"), (["--step", "3"], "hf-step-3"), (["--format", "merged"], "hf-merged")],
+)
+def test_export_refuses_an_export_directory_it_cannot_write(tmp_path, flags, name):
     job = job_file(tmp_path)
     (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
-    name = "hf" if step is None else f"hf-step-{step}"
     (tmp_path / "run" / name).write_text("in the way")  # export writes the directory there
-    r = posttrain("export", str(job), *(["--step", str(step)] if step else []), seconds=4)
+    r = posttrain("export", str(job), *flags, seconds=4)
     assert r.returncode == 65 and "spec.output.uri" in r.stderr
     assert f"{tmp_path / 'run' / name}: cannot write there: a file is in the way" in r.stderr
 

@@ -238,9 +238,12 @@ def _export_problem(job: PostTrainJob, args: argparse.Namespace) -> str | None:
     if args.step is not None and args.step not in steps:
         shown = ", ".join(map(str, steps))
         return f"--step: no checkpoint {args.step} under {uri}/{where} (there: {shown})"
-    # Where export_checkpoint writes: hf/, or hf-step-<step>/ for a chosen checkpoint.
+    # Where export_checkpoint writes: hf/, or hf-step-<step>/ for a chosen checkpoint,
+    # with -merged for a merged export of a LoRA job.
     chosen = args.step if args.step is not None else steps[-1] if args.best else None
     name = "hf" if chosen is None else f"hf-step-{chosen}"
+    if spec.lora and (args.format or str(spec.output.export_hf)) == "merged":
+        name += "-merged"
     return _unwritable(storage.join(uri, name), field, create=False)
 
 
