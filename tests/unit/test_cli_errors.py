@@ -214,8 +214,8 @@ def test_crd_message_shows_the_values_too():
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rule = next(r for r in spec["x-kubernetes-validations"] if ".warmupSteps <" in r["rule"])
     assert rule["messageExpression"] == (
-        "'training.warmupSteps (' + string(self.training.warmupSteps) + ') must be less than "
-        "training.steps (' + string(self.training.steps) + ')'"
+        "'training.warmupSteps (%d) must be less than training.steps (%d)'"
+        ".format([self.training.warmupSteps, self.training.steps])"
     )
 
 

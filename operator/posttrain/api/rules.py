@@ -24,7 +24,9 @@ class Rule:
     check: Callable[..., bool]  # the same check in Python: True when valid
     message: str
     # A message that shows the values, as CEL (the CRD's messageExpression; `message`
-    # stays the API server's fallback) and in Python: the same text from both.
+    # stays the API server's fallback) and in Python: the same text from both. CEL's
+    # string() of a field is refused by the API server's cost estimate; format() (the
+    # strings library, Kubernetes 1.30 on) is not.
     message_cel: str | None = None
     detail: Callable[..., str] | None = None
 
@@ -105,8 +107,8 @@ RULES: list[Rule] = [
         "self.training.warmupSteps < self.training.steps",
         lambda s: s.training.warmup_steps < s.training.steps,
         "training.warmupSteps must be less than training.steps",
-        "'training.warmupSteps (' + string(self.training.warmupSteps) + ') must be less than "
-        "training.steps (' + string(self.training.steps) + ')'",
+        "'training.warmupSteps (%d) must be less than training.steps (%d)'"
+        ".format([self.training.warmupSteps, self.training.steps])",
         lambda s: (
             f"training.warmupSteps ({s.training.warmup_steps}) must be less than "
             f"training.steps ({s.training.steps})"
