@@ -142,6 +142,21 @@ CASES: list[Case] = [
         "less than or equal to 1",
     ),
     Case(
+        "grpo-epsilon-high-below-epsilon",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {**GRPO, "epsilon": 0.3, "epsilonHigh": 0.2}),
+        ),
+        "spec.grpo.epsilonHigh",
+        "must be at least grpo.epsilon",
+    ),
+    Case(
+        "grpo-vllm-engine",
+        _all(_set("spec.technique", "grpo"), _set("spec.grpo", {**GRPO, "rolloutEngine": "vllm"})),
+        "spec.grpo.rolloutEngine",
+        "vllm is not available yet",
+    ),
+    Case(
         "python-reward-without-function",
         _all(_set("spec.technique", "grpo"), _set("spec.grpo", {"rewards": [{"type": "python"}]})),
         "spec.grpo.rewards[0].function",

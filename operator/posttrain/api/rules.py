@@ -56,6 +56,23 @@ RULES: list[Rule] = [
     _only_with_its_technique("distill"),
     _needed_by_its_technique("distill", "a teacher"),
     Rule(
+        "grpo.epsilonHigh",
+        "!has(self.grpo) || !has(self.grpo.epsilonHigh) || "
+        "self.grpo.epsilonHigh >= self.grpo.epsilon",
+        lambda s: (
+            s.grpo is None or s.grpo.epsilon_high is None or s.grpo.epsilon_high >= s.grpo.epsilon
+        ),
+        "grpo.epsilonHigh (the upper clip) must be at least grpo.epsilon",
+    ),
+    Rule(
+        "grpo.rolloutEngine",
+        "!has(self.grpo) || self.grpo.rolloutEngine != 'vllm'",
+        lambda s: s.grpo is None or s.grpo.rollout_engine != "vllm",
+        "grpo.rolloutEngine vllm is not available yet: no vLLM build matches the trainer "
+        "image's JAX (vllm with tpu-inference pins its own jax); use vanilla (Tunix's JAX "
+        "sampler)",
+    ),
+    Rule(
         "output.exportHF",
         "self.output.exportHF != 'adapter' || has(self.lora)",
         lambda s: s.output.export_hf != "adapter" or s.lora is not None,

@@ -322,6 +322,8 @@ class RewardSpec(KubeModel):
 class GrpoLoss(StrEnum):
     grpo = "grpo"
     gspo_token = "gspo-token"
+    dapo = "dapo"
+    dr_grpo = "dr-grpo"
 
 
 class RolloutEngine(StrEnum):
@@ -339,10 +341,18 @@ class GrpoSpec(KubeModel):
     """KL penalty to the reference model; 0 skips the reference model."""
 
     epsilon: float = Field(default=0.2, gt=0, le=1)
-    """Clipping range of the policy ratio."""
+    """Clipping range of the policy ratio: [1 - epsilon, 1 + epsilonHigh]."""
+
+    epsilon_high: float | None = Field(default=None, gt=0, le=1)
+    """Upper clip of the policy ratio (DAPO's clip-higher). Default: 0.28 with
+    lossAlgorithm dapo, else epsilon."""
 
     loss_algorithm: GrpoLoss = GrpoLoss.grpo
-    """Sequence-level GRPO or token-level GSPO loss."""
+    """grpo (per-sequence token mean, std-normalised advantages), gspo-token (GSPO's
+    sequence-level ratio), dapo (clip-higher, token-level loss over the batch, dynamic
+    sampling: prompt groups whose rewards are all equal are resampled) or dr-grpo
+    (Dr. GRPO: no std normalisation of advantages, no per-sequence length
+    normalisation)."""
 
     max_prompt_length: int = Field(default=256, ge=1, le=LENGTH_MAX)
     """Prompt tokens kept (left-truncated)."""

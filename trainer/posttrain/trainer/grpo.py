@@ -43,7 +43,7 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, loop, models, optim, rewards, sources
+from posttrain.trainer import data, evaluate, loop, models, optim, rewards, rl_losses, sources
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.policy import DTYPES, Policy
 from posttrain.trainer.tunix_rl import (
@@ -55,6 +55,10 @@ from posttrain.trainer.tunix_rl import (
 )
 
 log = logging.getLogger("posttrain.grpo")
+
+# Sampling rounds of DAPO's dynamic sampling (the first and up to this many minus one
+# resamplings of the groups whose rewards are all equal).
+DYNAMIC_SAMPLING_ROUNDS = 3
 
 BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "rewards")
 
@@ -84,9 +88,8 @@ def make_train_step(
     """The jitted GRPO update: reference log-probs (none, the policy with zeroed LoRA, or a
     frozen model), Tunix's policy loss over `accumulation` micro-batches, one optimizer
     update. Returns metrics (device scalars)."""
-    from tunix.rl import common, function_registry
+    from tunix.rl import common
 
-    policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
     temperature = float(algo_config.temperature)
 
     def ref_logps(model, ref_model, batch):
@@ -110,7 +113,9 @@ def make_train_step(
 
     def loss_fn(model, example):
         view = models.compute_view(model)
-        return policy_loss(view, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
+        return rl_losses.policy_loss(
+            view, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id
+        )
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
@@ -254,14 +259,8 @@ class GrpoRun:
                 tokenizer=self.tok,
                 cluster_config=cluster_config,
             )
-            self.algo_config = grpo_learner.GRPOConfig(
-                num_generations=g.num_generations,
-                num_iterations=1,
-                beta=g.beta,
-                epsilon=g.epsilon,
-                loss_algo=str(g.loss_algorithm),
-                kl_loss_mode="low_var_kl",
-            )
+            self.algo_config = rl_losses.algo_config(g, grpo_learner.GRPOConfig)
+            self.variant = rl_losses.VARIANTS[str(g.loss_algorithm)]
             self.learner = grpo_learner.GRPOLearner(
                 rl_cluster=self.cluster,
                 algo_config=self.algo_config,
@@ -298,28 +297,55 @@ class GrpoRun:
         self.cluster.rollout.update_params(nnx.state(self.policy.model, wrt), (wrt,))
 
     def rollout(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
-        """Sample numGenerations completions of this host's prompts and score them."""
+        """Sample numGenerations completions of this host's prompts and score them. With
+        DAPO's dynamic sampling, groups whose rewards are all equal are dropped and
+        resampled (up to DYNAMIC_SAMPLING_ROUNDS rounds; groups still uninformative then
+        stay, with zero advantage)."""
         G = self.g.num_generations
-        prompts = [str(p) for p in host_batch["prompts"] for _ in range(G)]
-        answers = np.repeat(np.asarray(host_batch["answer"], dtype=object), G)
         self.sync_rollout()
         # Seeded by (seed, step, host): a resumed run samples what the first run sampled.
         key = jax.random.PRNGKey(self.spec.training.seed)
         key = jax.random.fold_in(jax.random.fold_in(key, index), self.process.process_id)
+        prompts = np.asarray([str(p) for p in host_batch["prompts"]], dtype=object)
+        answers = np.asarray(host_batch["answer"], dtype=object)
+        sample = self._sample(prompts, answers, key)
+        self.resampled_groups = 0
+        if self.variant.dynamic_sampling:
+            for attempt in range(1, DYNAMIC_SAMPLING_ROUNDS):
+                flat = rl_losses.informative_groups(sample["total"], G)
+                if flat.all():
+                    break
+                redo = np.flatnonzero(~flat)
+                self.resampled_groups += len(redo)
+                again = self._sample(
+                    prompts[redo], answers[redo], jax.random.fold_in(key, 10_000 + attempt)
+                )
+                rows = (redo[:, None] * G + np.arange(G)).reshape(-1)
+                for k, v in again.items():
+                    sample[k][rows] = v
+        total = sample.pop("total")
+        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
+        self.last_texts = sample.pop("texts")
+        return {**sample, "advantages": advantages}
+
+    def _sample(self, prompts: np.ndarray, answers: np.ndarray, key: jax.Array) -> dict:
+        """numGenerations completions of each prompt sampled with `key`, scored."""
+        G = self.g.num_generations
+        repeated = [str(p) for p in prompts for _ in range(G)]
         # As host data: under the global mesh a device key would carry that mesh into the
         # host-local sampler.
         self.rollout_config.seed = np.asarray(key)
         start = time.monotonic()
-        out = self.cluster.generate(prompts)
+        out = self.cluster.generate(repeated)
         self.rollout_seconds += time.monotonic() - start
         completion_ids, completion_mask = _eos_padded(
             out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
         )
         self.rollout_tokens += int(completion_mask.sum())
         info = self.learner.reward_manager(
-            prompts=prompts,
+            prompts=repeated,
             completions=out.text,
-            answer=answers,
+            answer=np.repeat(answers, G),
             completion_tokens=[len(t) for t in out.tokens],
             mode="train",
         )
@@ -330,15 +356,13 @@ class GrpoRun:
             ],
             axis=-1,
         )
-        total = np.asarray(info["rewards"], np.float32)
-        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
-        self.last_texts = out.text
         return {
             "prompt_ids": np.asarray(out.left_padded_prompt_tokens, np.int32),
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": advantages,
             "rewards": parts,
+            "total": np.asarray(info["rewards"], np.float32),
+            "texts": np.asarray(out.text, dtype=object),
         }
 
     def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
