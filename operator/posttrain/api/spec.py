@@ -331,6 +331,28 @@ class RolloutEngine(StrEnum):
     vllm = "vllm"
 
 
+class RolloutPlacement(StrEnum):
+    colocated = "colocated"
+    disaggregated = "disaggregated"
+
+
+class RolloutSpec(KubeModel):
+    """Where GRPO's rollouts run: on the trainer's devices, or on a disjoint share of the
+    job's devices (the sampler), fed the policy's trainable weights at each sync."""
+
+    placement: RolloutPlacement = RolloutPlacement.colocated
+    """colocated: the sampler shares the trainer's devices and weights. disaggregated: the
+    job's devices are split into a trainer mesh and a sampler mesh (one program: one
+    process, or Pathways on multi-host), sized by samplerFraction or samplerSlices."""
+
+    sampler_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """Share of the job's devices for the sampler (one slice; a whole number of devices,
+    e.g. 0.25 of 8 = 2)."""
+
+    sampler_slices: int | None = Field(default=None, ge=1, le=63)
+    """Whole slices for the sampler, out of resources.slices (TPU multi-slice)."""
+
+
 class GrpoSpec(KubeModel):
     """Group Relative Policy Optimization settings (technique grpo)."""
 
@@ -364,7 +386,16 @@ class GrpoSpec(KubeModel):
     """Sampling temperature for rollouts."""
 
     rollout_engine: RolloutEngine = RolloutEngine.vanilla
-    """vanilla (JAX sampler, runs anywhere) or vllm (where installed)."""
+    """vanilla (Tunix's JAX sampler, runs anywhere). vllm is refused until a vLLM build
+    matches the trainer image's JAX."""
+
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Placement of the sampler: colocated (default) or disaggregated."""
+
+    max_staleness: int = Field(default=0, ge=0, le=8)
+    """Asynchronous rollouts: with k >= 1 the sampler generates the rollouts of the next k
+    steps while the current step trains, from a policy at most k versions old (the loss
+    corrects the gap, decoupled PPO). 0: on-policy, each step waits for its rollouts."""
 
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     """Reward functions, summed with their weights."""
