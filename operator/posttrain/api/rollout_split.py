@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The JobSet annotation that says how a disaggregated GRPO job's devices split; the
+# operator repeats it in status.message (the MESSAGE column) while the job runs.
+ANNOTATION = "posttrain.dev/rollout-placement"
+
 
 @dataclass(frozen=True)
 class Split:
@@ -66,6 +70,21 @@ def split(spec: Any, devices: int) -> tuple[Split | None, tuple[str, str] | None
             f"and the trainer each need a whole number of devices ({whole})",
         )
     return Split(devices - sampler, sampler, slices, 0), None
+
+
+def describe(spec: Any, devices: int | None) -> str | None:
+    """How the job's devices split (None when colocated). `devices` None (CPU, counted by
+    the trainer): the share as the spec gives it."""
+    if not is_disaggregated(spec):
+        return None
+    if devices is not None:
+        found, _ = split(spec, devices)
+        if found is not None:
+            return found.describe()
+    rollout = spec.grpo.rollout
+    if rollout.sampler_slices is not None:
+        return f"sampler {rollout.sampler_slices} of {spec.resources.slices} slices"
+    return f"sampler {rollout.sampler_fraction:g} of the devices"
 
 
 def multi_host_error(spec: Any, hosts: int) -> tuple[str, str] | None:
