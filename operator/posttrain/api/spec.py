@@ -762,6 +762,11 @@ class Progress(KubeModel):
     eval_metrics: dict[str, float] | None = None
     """Every held-out metric at evalStep, e.g. perplexity, preference_accuracy."""
 
+    rollout: dict[str, float] | None = None
+    """GRPO with a disaggregated sampler: staleness (policy versions between the rollouts
+    trained on and the learner), samplerBusy and learnerBusy (fractions of the wall time),
+    weightSyncSeconds (the last sync of trainable weights to the sampler)."""
+
     goodput: float | None = None
     """Fraction of the run's wall time, over every restart, spent on optimizer steps it
     kept (0 to 1)."""

@@ -151,7 +151,7 @@ class AsyncRollouts:
                 start = time.monotonic()
                 snap = self.snapshot()
                 jax.block_until_ready(snap)
-                self.sync_seconds += time.monotonic() - start
+                self.sync_seconds = time.monotonic() - start
             step = self.next
             future = self.pool.submit(self._work, step, batch_at(step), snap)
             self.pending[step] = (version, future)
@@ -198,7 +198,7 @@ class AsyncRollouts:
             "sampler_busy": self.sampler_seconds / wall,
             "learner_busy": self.learner_seconds / wall,
             "learner_wait_seconds": self.wait_seconds,
-            "weight_sync_seconds": self.sync_seconds,
+            "weight_sync_seconds": self.sync_seconds,  # the last sync
         }
 
     def close(self) -> None:
