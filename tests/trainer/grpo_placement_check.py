@@ -21,6 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from posttrain.api.spec import EvalSpec  # noqa: E402
 from posttrain.api.validate import validate  # noqa: E402
 from posttrain.trainer import data, grpo, models, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
@@ -124,6 +125,8 @@ def resume(model: str, prompts: str, out: str) -> dict:
     from tb_events import scalars
 
     spec = job(model, prompts, out, steps=4, staleness=1, every=2)
+    # Held-out evaluation samples on the sampler too, between the rollouts in flight.
+    spec.spec.eval = EvalSpec(source=prompts, every_steps=2, samples=0)
     first = train(spec, ProcessInfo(None, 1, 0), show_bar=False)
     adapter = Path(out) / "hf" / "adapter_model.safetensors"
     whole = load_file(str(adapter))
@@ -140,6 +143,7 @@ def resume(model: str, prompts: str, out: str) -> dict:
         "bitwise": sorted(whole) == sorted(resumed)
         and all(np.array_equal(whole[k], resumed[k]) for k in whole),
         "staleness": [staleness[s] for s in sorted(staleness)],
+        "evals": sorted(first.evals),
     }
 
 

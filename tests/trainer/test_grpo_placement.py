@@ -69,6 +69,6 @@ def test_disaggregated_async_grpo_on_eight_devices(tmp_path, compilation_cache):
     r = result["resume"]
     print("resume:", r)
     assert r["first_step"] == 4 and r["resumed_from"] == 2 and r["step"] == 4
-    assert r["bitwise"]
+    assert r["bitwise"] and r["evals"] == [0, 2, 4]
     # On-policy again at each checkpoint step (2), one version behind otherwise.
     assert r["staleness"] == [0, 1, 0, 1]

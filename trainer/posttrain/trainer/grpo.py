@@ -454,7 +454,9 @@ class GrpoRun:
             saved = config.top_k, config.seed
             config.top_k, config.seed = 1, np.asarray(jax.random.PRNGKey(0))  # greedy
             try:
-                out = self.cluster.generate(prompts)
+                # The loop runs under the trainer's mesh; a disaggregated sampler's own.
+                with jax.set_mesh(self.sampler_mesh or self.mesh):
+                    out = self.cluster.generate(prompts)
             finally:
                 config.top_k, config.seed = saved
         columns = {
