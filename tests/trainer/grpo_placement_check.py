@@ -54,6 +54,7 @@ def job(model: str, prompts: str, out: str, steps: int, staleness: int, every: i
                 "maxCompletionLength": 4,
                 "temperature": 1.0,
                 "rewards": [{"type": "exactAnswer"}, {"type": "lengthPenalty", "targetLength": 1}],
+                "lossAlgorithm": "dr-grpo",
                 "rollout": {"placement": "disaggregated", "samplerFraction": 0.25},
                 "maxStaleness": staleness,
             },

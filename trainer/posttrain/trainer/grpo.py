@@ -2,11 +2,12 @@
 
 Tunix does the RL work: an ``RLCluster`` (``ClusterConfig``, ``RLTrainingConfig``) holds
 the policy, its optimizer and the rollout engine (``vanilla``: Tunix's JAX sampler,
-sharing the policy's weights; ``vllm`` where installed); a ``GRPOLearner`` holds the
-``GRPOConfig`` (numGenerations, beta, epsilon, loss algorithm grpo / gspo-token) and the
-reward manager over ``posttrain.trainer.rewards``; Tunix's group-relative advantage
-estimator and its registered policy loss (clipped ratio objective plus beta * KL to the
-reference) make the update.
+sharing the policy's weights when colocated; on its own mesh when spec.grpo.rollout is
+disaggregated, see ``rl_placement``); a ``GRPOLearner`` holds the ``GRPOConfig``
+(numGenerations, beta, epsilon, the loss variant of ``rl_losses``: grpo, gspo-token,
+dapo, dr-grpo) and the reward manager over ``posttrain.trainer.rewards``; Tunix's
+advantage estimators and its registered policy loss (clipped ratio objective plus beta *
+KL to the reference) make the update.
 
 posttrain drives each step itself (``loop.run_steps``) rather than calling
 ``GRPOLearner.train``:
