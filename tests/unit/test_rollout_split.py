@@ -86,3 +86,41 @@ def test_jobset_reserves_trainer_and_sampler_slices_and_status_says_the_split():
     patch = status_patch(jobset, {"output": {"uri": "gs://runs/grpo-split"}}, {}, "t", 1)
     assert patch["phase"] == "Running"
     assert patch["message"].endswith("; " + split), patch["message"]
+
+
+def test_memory_of_each_side_of_the_split():
+    """The trainer's estimate is over its own share of the devices (without the rollout
+    cache, which is the sampler's); a sampler share too small for its copy of the model
+    and the KV cache is refused naming spec.grpo.rollout."""
+    from posttrain import capacity, catalog
+    from posttrain.api.spec import PostTrainJobSpec
+
+    def spec_of(fraction):
+        doc = grpo_job(
+            {"placement": "disaggregated", "samplerFraction": fraction},
+            {"accelerator": "nvidia-h100-80gb"},
+        )
+        doc["spec"]["model"] = {"source": "gs://m/Llama-3.1-70B"}
+        doc["spec"]["lora"] = {"rank": 8}
+        doc["spec"]["training"] = {"batchSize": 8}
+        return doc
+
+    placement = catalog.resolve("nvidia-h100-80gb")
+    spec = PostTrainJobSpec.model_validate(spec_of(0.5)["spec"])
+    est = capacity.estimate(spec, placement)
+    assert est.layout.devices == 4 and est.terms["rollout cache"] == 0
+    colocated = PostTrainJobSpec.model_validate(
+        grpo_job({}, {})["spec"]
+        | {
+            "model": {"source": "gs://m/Llama-3.1-70B"},
+            "lora": {"rank": 8},
+            "training": {"batchSize": 8},
+            "resources": {"accelerator": "nvidia-h100-80gb"},
+        }
+    )
+    assert capacity.estimate(colocated, placement).layout.devices == 8
+    half = capacity.sampler_need_gib(spec, placement)
+    assert 140e9 / 4 / 2**30 < half < 80  # bf16 70B over 4 GPUs, plus the cache
+    _, errors = validate(spec_of(0.125))  # one GPU for the sampler: 140 GB of weights
+    (err,) = [e for e in errors if e.field == "spec.grpo.rollout"]
+    assert "needs about" in err.message and "give the sampler more devices" in err.message

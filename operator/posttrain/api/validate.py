@@ -230,6 +230,16 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
         spec.training.batch_size, spec.training.gradient_accumulation, hosts, devices, generations
     ):
         errors.append(FieldError("spec.training.batchSize", problem))
+    need = capacity.sampler_need_gib(spec, placement)
+    if need is not None and need > capacity.REFUSE_ABOVE * placement.memory_gib_per_device:
+        errors.append(
+            FieldError(
+                "spec.grpo.rollout",
+                f"the sampler's share needs about {need:.1f} GiB per device (its copy of the "
+                f"model and the rollouts' KV cache) but a {placement.accelerator} device has "
+                f"{placement.memory_gib_per_device:g} GiB; give the sampler more devices",
+            )
+        )
     estimate = capacity.estimate(spec, placement)
     if estimate is not None and not estimate.fits:
         errors.append(
