@@ -494,7 +494,6 @@ class GrpoRun:
         if rollouts.start is None:
             rollouts.begin(index, batch_at)
         rolled, version = rollouts.take(index)
-        self.last_version = version
         batch = loop._global_batch(rolled, self.mesh, self.batch_keys)
         start = time.monotonic()
         out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
