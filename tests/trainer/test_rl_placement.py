@@ -108,3 +108,35 @@ def test_lookahead_checkpoints_the_loops_position_not_the_samplers():
     assert loader.get_state() == {"position": 2}
     loader.set_state({"position": 1})
     assert next(loader) == {"row": 1}
+
+
+def test_split_of_the_devices_a_process_sees():
+    from posttrain.api.validate import validate
+
+    def spec(fraction):
+        doc = {
+            "apiVersion": "posttrain.dev/v1alpha1",
+            "kind": "PostTrainJob",
+            "metadata": {"name": "split"},
+            "spec": {
+                "technique": "grpo",
+                "model": {"source": "/models/tiny"},
+                "data": {"source": "/data/x.jsonl"},
+                "grpo": {
+                    "rewards": [{"type": "exactAnswer"}],
+                    "rollout": {"placement": "disaggregated", "samplerFraction": fraction},
+                },
+                "output": {"uri": "/out"},
+            },
+        }
+        job, errors = validate(doc)
+        assert not errors, errors
+        return job.spec
+
+    devices = [f"d{i}" for i in range(8)]
+    trainer, sampler = rl_placement.split_devices(spec(0.25), devices)
+    assert trainer == devices[:6] and sampler == devices[6:]
+    with pytest.raises(ValueError, match="spec.grpo.rollout.samplerFraction: the job has a single"):
+        rl_placement.split_devices(spec(0.5), devices[:1])
+    with pytest.raises(ValueError, match=r"0.3 of the job's 8 devices is 2.4 devices"):
+        rl_placement.split_devices(spec(0.3), devices)
