@@ -14,17 +14,35 @@ maxCompletionLength: a fixed amount of sampling per step).
 
     python bench/grpo.py [--steps 10] [--hidden 64] [--layers 2] [--prompts 8] \
         [--generations 4] [--completion 16]
+
+``--placement`` compares, in one run on the same devices and the same work (model,
+prompts, steps, seeds), colocated synchronous GRPO (the sampler shares the trainer's
+devices and weights; each step waits for its rollouts) against disaggregated
+asynchronous GRPO (spec.grpo.rollout disaggregated with ``--sampler-fraction`` of the
+devices, maxStaleness ``--staleness``): time per step, completion tokens/s, the share of
+the wall time the learner is idle, and the ratio (goal on accelerators >= 1.3).
+``--devices N`` runs on N CPU devices (XLA_FLAGS, set before jax starts):
+
+    python bench/grpo.py --placement --devices 8 [--staleness 1] [--sampler-fraction 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
+
+if "--devices" in sys.argv:  # before jax starts
+    _n = sys.argv[sys.argv.index("--devices") + 1]
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+    )
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "trainer")]
@@ -35,7 +53,7 @@ from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.api.validate import validate  # noqa: E402
-from posttrain.trainer import data, grpo, models  # noqa: E402
+from posttrain.trainer import data, grpo, models, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.policy import load_policy, shard_like_params  # noqa: E402
 
@@ -118,8 +136,94 @@ def time_tunix(job, steps: int) -> float:
     return batches.seconds(jax.tree.leaves(policy.model))
 
 
+def time_placement(job, steps: int) -> dict[str, float]:
+    """`steps` GRPO steps after a first (compiling) one, with the job's placement: time
+    per step, completion tokens trained per second, the learner's idle share."""
+    trainer_devices, _ = rl_placement.split_devices(job.spec)
+    mesh = models.make_mesh(devices=trainer_devices)
+    policy = load_policy(job.spec, mesh, Path(tempfile.mkdtemp()))
+    tokenizer = data.load_tokenizer(policy.model_dir)
+    run = grpo.GrpoRun(job, ProcessInfo(None, 1, 0), policy, tokenizer, mesh)
+    run.loader = rl_placement.Lookahead(data.build_loader(job.spec, tokenizer))
+    trained, busy = 0, 0.0
+    with jax.set_mesh(mesh):
+        shard_like_params(run.opt, mesh)
+        for i in range(steps + 1):
+            if i == 1:  # compiled before the clock starts
+                start = time.monotonic()
+                wait0 = run.async_rollouts.wait_seconds if run.async_rollouts else 0.0
+                rollout0 = run.rollout_seconds
+            step_start = time.monotonic()
+            out = run(next(run.loader), i)
+            jax.block_until_ready(out["loss"])
+            if i >= 1:
+                trained += int(out["tokens"])
+                busy += time.monotonic() - step_start
+    elapsed = time.monotonic() - start
+    run.close()
+    if run.async_rollouts is not None:  # idle: waiting for the sampler's rollouts
+        idle = run.async_rollouts.wait_seconds - wait0
+    else:  # idle: the step's own rollout, on the learner's devices
+        idle = run.rollout_seconds - rollout0
+    return {
+        "seconds_per_step": elapsed / steps,
+        "tokens_per_second": trained / elapsed,
+        "learner_idle": idle / elapsed,
+    }
+
+
+def placement_main(args: argparse.Namespace, model_dir: Path, prompts: Path) -> int:
+    base = make_job(model_dir, prompts, args)
+    doc = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "bench-grpo"},
+        "spec": base.spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    }
+    doc["spec"]["grpo"]["rollout"] = {
+        "placement": "disaggregated",
+        "samplerFraction": args.sampler_fraction,
+    }
+    doc["spec"]["grpo"]["maxStaleness"] = args.staleness
+    split, errors = validate(doc)
+    assert not errors, errors
+    results: dict[str, dict[str, float]] = {}
+    for _ in range(2):  # alternate, keep each one's best, to even out a busy machine
+        for name, job in (("colocated-sync", base), ("disaggregated-async", split)):
+            got = time_placement(job, args.steps)
+            best = results.get(name)
+            if best is None or got["seconds_per_step"] < best["seconds_per_step"]:
+                results[name] = got
+    n = jax.device_count()
+    print(
+        f"model: llama hidden {args.hidden} x {args.layers} layers, LoRA r8; "
+        f"{args.prompts} prompts x {args.generations} completions x {args.completion} tokens "
+        f"per step; {args.steps} timed steps; {n} {jax.devices()[0].platform} devices; "
+        f"{os.cpu_count()} CPU cores"
+    )
+    print(
+        f"disaggregated: sampler {args.sampler_fraction:g} of the devices "
+        f"({rl_placement.describe(split.spec, n)}), maxStaleness {args.staleness}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:20s} {r['seconds_per_step']:7.3f} s/step {r['tokens_per_second']:8.1f} "
+            f"tokens/s  learner idle {100 * r['learner_idle']:5.1f}%"
+        )
+    ratio = (
+        results["colocated-sync"]["seconds_per_step"]
+        / results["disaggregated-async"]["seconds_per_step"]
+    )
+    print(f"ratio disaggregated-async / colocated-sync (steps/s): {ratio:.3f} (goal >= 1.3)")
+    return 0 if np.isfinite(ratio) else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--placement", action="store_true", help="colocated vs disaggregated")
+    p.add_argument("--devices", type=int, default=None, help="CPU devices (XLA_FLAGS)")
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--sampler-fraction", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -137,6 +241,8 @@ def main() -> int:
             for n in (rng.randint(0, 9) for _ in range(256))
         )
     )
+    if args.placement:
+        return placement_main(args, model_dir, prompts)
     job = make_job(model_dir, prompts, args)
 
     # Alternate the two twice and keep each one's best, to even out a busy machine.

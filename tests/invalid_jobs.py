@@ -73,6 +73,11 @@ def _all(*mutations: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, An
 
 GRPO = {"rewards": [{"type": "exactAnswer"}]}
 
+
+def _grpo(extra: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    return _all(_set("spec.technique", "grpo"), _set("spec.grpo", {**GRPO, **extra}))
+
+
 CASES: list[Case] = [
     Case("missing-model", _del("spec.model"), "spec.model", "required"),
     Case("missing-data", _del("spec.data"), "spec.data", "required"),
@@ -140,6 +145,87 @@ CASES: list[Case] = [
         _all(_set("spec.technique", "grpo"), _set("spec.grpo", {**GRPO, "epsilon": 2})),
         "spec.grpo.epsilon",
         "less than or equal to 1",
+    ),
+    Case(
+        "grpo-epsilon-high-below-epsilon",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {**GRPO, "epsilon": 0.3, "epsilonHigh": 0.2}),
+        ),
+        "spec.grpo.epsilonHigh",
+        "must be at least grpo.epsilon",
+    ),
+    Case(
+        "grpo-vllm-engine",
+        _all(_set("spec.technique", "grpo"), _set("spec.grpo", {**GRPO, "rolloutEngine": "vllm"})),
+        "spec.grpo.rolloutEngine",
+        "vllm is not available yet",
+    ),
+    Case(
+        "grpo-disaggregated-without-share",
+        _grpo({"rollout": {"placement": "disaggregated"}}),
+        "spec.grpo.rollout",
+        "needs one of samplerFraction",
+    ),
+    Case(
+        "grpo-colocated-with-share",
+        _grpo({"rollout": {"samplerFraction": 0.5}}),
+        "spec.grpo.rollout",
+        "apply to placement disaggregated",
+    ),
+    Case(
+        "grpo-sampler-takes-every-slice",
+        _all(
+            _grpo({"rollout": {"placement": "disaggregated", "samplerSlices": 2}}),
+            _set("spec.resources", {"accelerator": "v6e-8", "slices": 2}),
+        ),
+        "spec.grpo.rollout.samplerSlices",
+        "must leave the trainer at least one",
+    ),
+    Case(
+        "grpo-sampler-fraction-over-slices",
+        _all(
+            _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.5}}),
+            _set("spec.resources", {"accelerator": "v6e-8", "slices": 2}),
+        ),
+        "spec.grpo.rollout.samplerFraction",
+        "use samplerSlices",
+    ),
+    Case(
+        "grpo-stale-colocated",
+        _grpo({"maxStaleness": 1}),
+        "spec.grpo.maxStaleness",
+        "needs grpo.rollout.placement disaggregated",
+    ),
+    Case(
+        "grpo-disaggregated-multi-host-without-pathways",
+        _all(
+            _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.5}}),
+            _set("spec.resources", {"accelerator": "v6e-16"}),
+        ),
+        "spec.grpo.rollout.placement",
+        "needs resources.pathways.enabled",
+        server=False,
+    ),
+    Case(
+        "grpo-sampler-fraction-not-whole-devices",
+        _all(
+            _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.3}}),
+            _set("spec.resources", {"accelerator": "nvidia-h100-80gb"}),
+        ),
+        "spec.grpo.rollout.samplerFraction",
+        "is 2.4 devices",
+        server=False,
+    ),
+    Case(
+        "grpo-sampler-share-of-one-device",
+        _all(
+            _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.5}}),
+            _set("spec.resources", {"accelerator": "nvidia-l4", "gpusPerNode": 1}),
+        ),
+        "spec.grpo.rollout.samplerFraction",
+        "single device",
+        server=False,
     ),
     Case(
         "python-reward-without-function",

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from posttrain.api import model_shapes
+from posttrain.api import model_shapes, rollout_split
 from posttrain.api.model_shapes import ModelShape
 from posttrain.api.spec import LoraSpec, PostTrainJobSpec
 from posttrain.catalog import Placement
@@ -96,10 +96,44 @@ class Layout:
 
 
 def layout(spec: PostTrainJobSpec, placement: Placement) -> Layout:
+    """The trainer's mesh: every device of the job, less a disaggregated sampler's."""
     res = spec.resources
     if placement.is_tpu:
-        return Layout(res.slices, max(1, placement.hosts * placement.devices_per_host))
-    return Layout(res.nodes, max(1, placement.devices_per_host))  # one slice per GPU node
+        lay = Layout(res.slices, max(1, placement.hosts * placement.devices_per_host))
+    else:
+        lay = Layout(res.nodes, max(1, placement.devices_per_host))  # one slice per GPU node
+    found, _ = rollout_split.split(spec, lay.devices)
+    if found is None:
+        return lay
+    if found.sampler_slices:
+        return Layout(lay.slices - found.sampler_slices, lay.per_slice)
+    return Layout(lay.slices, max(1, found.trainer_devices // lay.slices))
+
+
+def sampler_need_gib(spec: PostTrainJobSpec, placement: Placement) -> float | None:
+    """GiB per device a disaggregated sampler needs on its share of the devices: its copy
+    of the model (sharded over its devices, as the trainer's: FSDP) and the rollouts'
+    KV cache. None when colocated or unknown."""
+    shape = shape_of(spec)
+    if shape is None or placement.kind == "cpu" or not placement.memory_gib_per_device:
+        return None
+    res = spec.resources
+    if placement.is_tpu:
+        devices = placement.hosts * placement.devices_per_host * res.slices
+    else:
+        devices = res.nodes * max(1, placement.devices_per_host)
+    found, _ = rollout_split.split(spec, devices)
+    if found is None:
+        return None
+    w = _DTYPE_BYTES[spec.model.dtype]
+    n = found.sampler_devices
+    weights = shape.params * w + (lora_params(shape, spec) * 4 if spec.lora else 0)
+    whole = shape.vocab * shape.hidden + shape.layer_params if n > 1 else 0
+    g = spec.grpo
+    length = g.max_prompt_length + g.max_completion_length
+    kv = shape.kv_heads * shape.head_dim
+    cache = spec.training.batch_size * g.num_generations * length * shape.layers * 2 * kv * w
+    return (weights / n + whole * w + cache / n) / GIB
 
 
 def lora_params(shape: ModelShape, spec: PostTrainJobSpec) -> int:
@@ -270,7 +304,7 @@ def estimate(
     ):
         frozen = params * w / fsdp
     cache = 0.0
-    if spec.technique == "grpo":
+    if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
         cache = sequences * length * shape.layers * 2 * kv * w
     tower = 0.0

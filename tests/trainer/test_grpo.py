@@ -4,8 +4,8 @@ The task a tiny model can learn: "Say 7." -> "7". The model is first SFT'd a lit
 (loop.train, technique sft), then GRPO'd with an exactAnswer reward; its mean reward
 rises. Also: exact resume with every reward type (LoRA, gspo-token, the reference being
 the policy with adapters off), the reference handling per beta, host-local rollouts
-(what several processes use) sampling exactly what the shared rollout samples, the
-vllm engine refused where it is not installed, and 2 processes on localhost."""
+(what several processes use) sampling exactly what the shared rollout samples, and 2
+processes on localhost."""
 
 from __future__ import annotations
 
@@ -243,14 +243,6 @@ def test_reference_per_beta_and_host_local_rollouts(task, tmp_path):
         assert np.array_equal(a[key], b[key]), key
 
 
-def test_vllm_engine_is_refused_where_not_installed(task, tmp_path):
-    pytest.importorskip("tunix")
-    if __import__("importlib").util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here")
-    with pytest.raises(ValueError, match="spec.grpo.rolloutEngine: vllm is not installed"):
-        run(grpo_spec(task, tmp_path, grpo={"rolloutEngine": "vllm"}))
-
-
 def test_two_processes_on_localhost(task, tmp_path, compilation_cache):
     """jax.distributed with 2 CPU processes (1 device each): each host samples its own
     prompts on a host-local replica of the LoRA policy; one sharded update per step."""
@@ -299,3 +291,36 @@ def test_two_processes_on_localhost(task, tmp_path, compilation_cache):
         2,
     ]
     assert sorted(scalars(out / "tensorboard")["train/reward"]) == [1, 2]
+
+
+def test_dapo_dynamic_sampling_resamples_groups_with_equal_rewards(task, tmp_path):
+    """DAPO: a prompt group whose completions all scored the same is sampled again until
+    its rewards differ (or the rounds run out); the informative groups are the very ones
+    the plain GRPO rollout sampled."""
+    from posttrain.trainer import data, grpo, models
+    from posttrain.trainer.policy import load_policy
+    from posttrain.trainer.rl_losses import informative_groups
+
+    def grpo_run(spec):
+        parsed = job(spec)
+        mesh = models.make_mesh()
+        policy = load_policy(parsed.spec, mesh, tmp_path)
+        tokenizer = data.load_tokenizer(policy.model_dir)
+        return grpo.GrpoRun(parsed, ProcessInfo(None, 1, 0), policy, tokenizer, mesh)
+
+    spec = grpo_spec(task, tmp_path, grpo={"numGenerations": 2}, lora={"rank": 4, "alpha": 8})
+    spec["training"]["batchSize"] = 8
+    batch = next(data.build_loader(job(spec).spec, data.load_tokenizer(str(task.model))))
+    plain = grpo_run(spec).rollout(batch, 3)
+    spec["grpo"]["lossAlgorithm"] = "dapo"
+    dapo_run = grpo_run(spec)
+    dapo = dapo_run.rollout(batch, 3)
+    before = informative_groups(plain["rewards"].sum(-1), 2)
+    after = informative_groups(dapo["rewards"].sum(-1), 2)
+    assert not before.all() and dapo_run.resampled_groups >= (~before).sum()
+    assert after.sum() > before.sum(), (before, after)
+    rows = np.repeat(before, 2)
+    for key in ("completion_ids", "rewards", "advantages"):
+        assert np.array_equal(plain[key][rows], dapo[key][rows]), key
+    # Uninformative groups that remain carry no advantage.
+    assert np.all(dapo["advantages"][~np.repeat(after, 2)] == 0)

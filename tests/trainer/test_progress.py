@@ -118,3 +118,29 @@ def test_bar_says_what_happens_before_the_first_step(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="posttrain.progress")
     Progress(4, 0, True, None, show_bar=True).phase("evaluating step 0")
     assert [r.getMessage() for r in caplog.records] == ["evaluating step 0"]
+
+
+def test_status_progress_carries_the_samplers_metrics():
+    """GRPO with a disaggregated sampler: status.progress.rollout (validated by the
+    status schema) has staleness, busy fractions and the weight-sync time."""
+    from posttrain.api.spec import Progress as ProgressStatus
+
+    class Status:
+        patches: list = []
+
+        def patch(self, progress):
+            self.patches.append(progress)
+
+    status = Status()
+    progress = Progress(2, 0, True, None, status, show_bar=False)
+    metrics = {"loss": 0.5, "staleness": 1.0, "sampler_busy": 0.75, "learner_busy": 0.5}
+    progress.step(2, {**metrics, "weight_sync_seconds": 0.01}, log_now=True)
+    (patch,) = status.patches
+    assert patch["rollout"] == {
+        "staleness": 1.0,
+        "samplerBusy": 0.75,
+        "learnerBusy": 0.5,
+        "weightSyncSeconds": 0.01,
+    }
+    assert ProgressStatus.model_validate(patch).rollout["samplerBusy"] == 0.75
+    progress.close(2, metrics)

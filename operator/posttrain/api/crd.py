@@ -101,6 +101,9 @@ def _structural(node: Any, defs: dict[str, Any], classes: dict[str, type[BaseMod
     if "exclusiveMinimum" in node:
         node["minimum"] = node.pop("exclusiveMinimum")
         node["exclusiveMinimum"] = True
+    if "exclusiveMaximum" in node:
+        node["maximum"] = node.pop("exclusiveMaximum")
+        node["exclusiveMaximum"] = True
     cls = classes.get(node.pop("x-posttrain-class", ""))
     out = {k: _structural(v, defs, classes) for k, v in node.items() if k not in _DROP}
     if isinstance(node.get("additionalProperties"), dict) and "properties" not in node:

@@ -58,12 +58,83 @@ def _is_tpu(spec: PostTrainJobSpec) -> bool:
     return re.fullmatch(TPU_NAME_CEL.strip("^$"), spec.resources.accelerator) is not None
 
 
+def _disaggregated(spec: PostTrainJobSpec) -> bool:
+    return spec.grpo is not None and spec.grpo.rollout.placement == "disaggregated"
+
+
 RULES: list[Rule] = [
     _only_with_its_technique("grpo"),
     _needed_by_its_technique("grpo", "at least one reward"),
     _only_with_its_technique("dpo"),
     _only_with_its_technique("distill"),
     _needed_by_its_technique("distill", "a teacher"),
+    Rule(
+        "grpo.epsilonHigh",
+        "!has(self.grpo) || !has(self.grpo.epsilonHigh) || "
+        "self.grpo.epsilonHigh >= self.grpo.epsilon",
+        lambda s: (
+            s.grpo is None or s.grpo.epsilon_high is None or s.grpo.epsilon_high >= s.grpo.epsilon
+        ),
+        "grpo.epsilonHigh (the upper clip) must be at least grpo.epsilon",
+    ),
+    Rule(
+        "grpo.rolloutEngine",
+        "!has(self.grpo) || self.grpo.rolloutEngine != 'vllm'",
+        lambda s: s.grpo is None or s.grpo.rollout_engine != "vllm",
+        "grpo.rolloutEngine vllm is not available yet: no vLLM build matches the trainer "
+        "image's JAX (vllm with tpu-inference pins its own jax); use vanilla (Tunix's JAX "
+        "sampler)",
+    ),
+    Rule(
+        "grpo.rollout",
+        "!has(self.grpo) || self.grpo.rollout.placement != 'disaggregated' || "
+        "has(self.grpo.rollout.samplerFraction) != has(self.grpo.rollout.samplerSlices)",
+        lambda s: (
+            not _disaggregated(s)
+            or (s.grpo.rollout.sampler_fraction is None) != (s.grpo.rollout.sampler_slices is None)
+        ),
+        "grpo.rollout: placement disaggregated needs one of samplerFraction (a share of the "
+        "devices) or samplerSlices (whole slices)",
+    ),
+    Rule(
+        "grpo.rollout",
+        "!has(self.grpo) || self.grpo.rollout.placement == 'disaggregated' || "
+        "(!has(self.grpo.rollout.samplerFraction) && !has(self.grpo.rollout.samplerSlices))",
+        lambda s: (
+            s.grpo is None
+            or _disaggregated(s)
+            or (s.grpo.rollout.sampler_fraction is None and s.grpo.rollout.sampler_slices is None)
+        ),
+        "grpo.rollout: samplerFraction and samplerSlices apply to placement disaggregated",
+    ),
+    Rule(
+        "grpo.rollout.samplerSlices",
+        "!has(self.grpo) || !has(self.grpo.rollout.samplerSlices) || "
+        "self.grpo.rollout.samplerSlices < self.resources.slices",
+        lambda s: (
+            s.grpo is None
+            or s.grpo.rollout.sampler_slices is None
+            or s.grpo.rollout.sampler_slices < s.resources.slices
+        ),
+        "grpo.rollout.samplerSlices must leave the trainer at least one of resources.slices",
+    ),
+    Rule(
+        "grpo.rollout.samplerFraction",
+        "!has(self.grpo) || !has(self.grpo.rollout.samplerFraction) || self.resources.slices == 1",
+        lambda s: (
+            s.grpo is None or s.grpo.rollout.sampler_fraction is None or s.resources.slices == 1
+        ),
+        "grpo.rollout.samplerFraction splits one slice; with resources.slices above 1 the "
+        "sampler takes whole slices: use samplerSlices",
+    ),
+    Rule(
+        "grpo.maxStaleness",
+        "!has(self.grpo) || self.grpo.maxStaleness == 0 || "
+        "self.grpo.rollout.placement == 'disaggregated'",
+        lambda s: s.grpo is None or s.grpo.max_staleness == 0 or _disaggregated(s),
+        "grpo.maxStaleness above 0 needs grpo.rollout.placement disaggregated (a colocated "
+        "sampler samples with the very weights the trainer updates)",
+    ),
     Rule(
         "output.exportHF",
         "self.output.exportHF != 'adapter' || has(self.lora)",

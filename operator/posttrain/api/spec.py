@@ -322,11 +322,35 @@ class RewardSpec(KubeModel):
 class GrpoLoss(StrEnum):
     grpo = "grpo"
     gspo_token = "gspo-token"
+    dapo = "dapo"
+    dr_grpo = "dr-grpo"
 
 
 class RolloutEngine(StrEnum):
     vanilla = "vanilla"
     vllm = "vllm"
+
+
+class RolloutPlacement(StrEnum):
+    colocated = "colocated"
+    disaggregated = "disaggregated"
+
+
+class RolloutSpec(KubeModel):
+    """Where GRPO's rollouts run: on the trainer's devices, or on a disjoint share of the
+    job's devices (the sampler), fed the policy's trainable weights at each sync."""
+
+    placement: RolloutPlacement = RolloutPlacement.colocated
+    """colocated: the sampler shares the trainer's devices and weights. disaggregated: the
+    job's devices are split into a trainer mesh and a sampler mesh (one program: one
+    process, or Pathways on multi-host), sized by samplerFraction or samplerSlices."""
+
+    sampler_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """Share of the job's devices for the sampler (one slice; a whole number of devices,
+    e.g. 0.25 of 8 = 2)."""
+
+    sampler_slices: int | None = Field(default=None, ge=1, le=63)
+    """Whole slices for the sampler, out of resources.slices (TPU multi-slice)."""
 
 
 class GrpoSpec(KubeModel):
@@ -339,10 +363,18 @@ class GrpoSpec(KubeModel):
     """KL penalty to the reference model; 0 skips the reference model."""
 
     epsilon: float = Field(default=0.2, gt=0, le=1)
-    """Clipping range of the policy ratio."""
+    """Clipping range of the policy ratio: [1 - epsilon, 1 + epsilonHigh]."""
+
+    epsilon_high: float | None = Field(default=None, gt=0, le=1)
+    """Upper clip of the policy ratio (DAPO's clip-higher). Default: 0.28 with
+    lossAlgorithm dapo, else epsilon."""
 
     loss_algorithm: GrpoLoss = GrpoLoss.grpo
-    """Sequence-level GRPO or token-level GSPO loss."""
+    """grpo (per-sequence token mean, std-normalised advantages), gspo-token (GSPO's
+    sequence-level ratio), dapo (clip-higher, token-level loss over the batch, dynamic
+    sampling: prompt groups whose rewards are all equal are resampled) or dr-grpo
+    (Dr. GRPO: no std normalisation of advantages, no per-sequence length
+    normalisation)."""
 
     max_prompt_length: int = Field(default=256, ge=1, le=LENGTH_MAX)
     """Prompt tokens kept (left-truncated)."""
@@ -354,7 +386,16 @@ class GrpoSpec(KubeModel):
     """Sampling temperature for rollouts."""
 
     rollout_engine: RolloutEngine = RolloutEngine.vanilla
-    """vanilla (JAX sampler, runs anywhere) or vllm (where installed)."""
+    """vanilla (Tunix's JAX sampler, runs anywhere). vllm is refused until a vLLM build
+    matches the trainer image's JAX."""
+
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Placement of the sampler: colocated (default) or disaggregated."""
+
+    max_staleness: int = Field(default=0, ge=0, le=8)
+    """Asynchronous rollouts: with k >= 1 the sampler generates the rollouts of the next k
+    steps while the current step trains, from a policy at most k versions old (the loss
+    corrects the gap, decoupled PPO). 0: on-policy, each step waits for its rollouts."""
 
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     """Reward functions, summed with their weights."""
@@ -720,6 +761,11 @@ class Progress(KubeModel):
 
     eval_metrics: dict[str, float] | None = None
     """Every held-out metric at evalStep, e.g. perplexity, preference_accuracy."""
+
+    rollout: dict[str, float] | None = None
+    """GRPO with a disaggregated sampler: staleness (policy versions between the rollouts
+    trained on and the learner), samplerBusy and learnerBusy (fractions of the wall time),
+    weightSyncSeconds (the last sync of trainable weights to the sampler)."""
 
     goodput: float | None = None
     """Fraction of the run's wall time, over every restart, spent on optimizer steps it

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from posttrain import capacity, catalog
-from posttrain.api import batching, kube_values, lora_modules, model_shapes, rules
+from posttrain.api import batching, kube_values, lora_modules, model_shapes, rollout_split, rules
 from posttrain.api.documents import DocumentError, read_documents
 from posttrain.api.locations import mount_path_error
 from posttrain.api.spec import API_VERSION, KIND, PostTrainJob, PostTrainJobStatus
@@ -151,6 +151,34 @@ def _images_errors(job: PostTrainJob) -> list[FieldError]:
     return []
 
 
+def job_devices(job: PostTrainJob, placement: catalog.Placement) -> int | None:
+    """Every device of the job (None for CPU: the trainer counts what it finds)."""
+    res = job.spec.resources
+    if placement.is_tpu:
+        return placement.hosts * placement.devices_per_host * res.slices
+    if placement.kind == "gpu":
+        return res.nodes * max(placement.devices_per_host, 1)
+    return None
+
+
+def _rollout_errors(
+    job: PostTrainJob, placement: catalog.Placement
+) -> tuple[list[FieldError], int | None]:
+    """A trainer/sampler split (spec.grpo.rollout) that cannot work, and the trainer's
+    device count when it can."""
+    res = job.spec.resources
+    hosts = placement.hosts * res.slices if placement.is_tpu else res.nodes
+    if problem := rollout_split.multi_host_error(job.spec, hosts):
+        return [FieldError(*problem)], None
+    devices = job_devices(job, placement)
+    if devices is None:
+        return [], None
+    found, problem = rollout_split.split(job.spec, devices)
+    if problem:
+        return [FieldError(*problem)], None
+    return [], found.trainer_devices if found else None
+
+
 def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
     columns, LoRA, mounts, the batch split and the memory estimate."""
@@ -193,11 +221,25 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
         except NameTooLong as e:
             errors.append(FieldError("metadata.name", str(e)))
     hosts, devices = _hosts_and_devices(job, placement)
+    split_errors, trainer_devices = _rollout_errors(job, placement)
+    errors += split_errors
+    if trainer_devices is not None and devices > 1:
+        devices = trainer_devices  # the trainer's mesh holds the batch
     generations = spec.grpo.num_generations if spec.grpo else 1
     if problem := batching.batch_split_error(
         spec.training.batch_size, spec.training.gradient_accumulation, hosts, devices, generations
     ):
         errors.append(FieldError("spec.training.batchSize", problem))
+    need = capacity.sampler_need_gib(spec, placement)
+    if need is not None and need > capacity.REFUSE_ABOVE * placement.memory_gib_per_device:
+        errors.append(
+            FieldError(
+                "spec.grpo.rollout",
+                f"the sampler's share needs about {need:.1f} GiB per device (its copy of the "
+                f"model and the rollouts' KV cache) but a {placement.accelerator} device has "
+                f"{placement.memory_gib_per_device:g} GiB; give the sampler more devices",
+            )
+        )
     estimate = capacity.estimate(spec, placement)
     if estimate is not None and not estimate.fits:
         errors.append(

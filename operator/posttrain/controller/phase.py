@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.api import rollout_split
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, Phase
 from posttrain.render.jobset import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL
 
@@ -500,6 +501,11 @@ def _patch(
     generation: int | None,
 ) -> dict[str, Any]:
     message = obs.message
+    split = ((jobset or {}).get("metadata", {}).get("annotations") or {}).get(
+        rollout_split.ANNOTATION
+    )
+    if split and obs.phase in (Phase.running, Phase.restarting):
+        message = f"{message}; {split}"
     obs = Observation(obs.phase, obs.reason, one_line(message, CONDITION_MESSAGE_MAX), obs.restarts)
     patch: dict[str, Any] = {
         "phase": str(obs.phase),

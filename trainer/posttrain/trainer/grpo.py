@@ -2,11 +2,12 @@
 
 Tunix does the RL work: an ``RLCluster`` (``ClusterConfig``, ``RLTrainingConfig``) holds
 the policy, its optimizer and the rollout engine (``vanilla``: Tunix's JAX sampler,
-sharing the policy's weights; ``vllm`` where installed); a ``GRPOLearner`` holds the
-``GRPOConfig`` (numGenerations, beta, epsilon, loss algorithm grpo / gspo-token) and the
-reward manager over ``posttrain.trainer.rewards``; Tunix's group-relative advantage
-estimator and its registered policy loss (clipped ratio objective plus beta * KL to the
-reference) make the update.
+sharing the policy's weights when colocated; on its own mesh when spec.grpo.rollout is
+disaggregated, see ``rl_placement``); a ``GRPOLearner`` holds the ``GRPOConfig``
+(numGenerations, beta, epsilon, the loss variant of ``rl_losses``: grpo, gspo-token,
+dapo, dr-grpo) and the reward manager over ``posttrain.trainer.rewards``; Tunix's
+advantage estimators and its registered policy loss (clipped ratio objective plus beta *
+KL to the reference) make the update.
 
 posttrain drives each step itself (``loop.run_steps``) rather than calling
 ``GRPOLearner.train``:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -43,7 +45,17 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, loop, models, optim, rewards, sources
+from posttrain.trainer import (
+    data,
+    evaluate,
+    loop,
+    models,
+    optim,
+    rewards,
+    rl_losses,
+    rl_placement,
+    sources,
+)
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.policy import DTYPES, Policy
 from posttrain.trainer.tunix_rl import (
@@ -55,6 +67,10 @@ from posttrain.trainer.tunix_rl import (
 )
 
 log = logging.getLogger("posttrain.grpo")
+
+# Sampling rounds of DAPO's dynamic sampling (the first and up to this many minus one
+# resamplings of the groups whose rewards are all equal).
+DYNAMIC_SAMPLING_ROUNDS = 3
 
 BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "rewards")
 
@@ -84,9 +100,8 @@ def make_train_step(
     """The jitted GRPO update: reference log-probs (none, the policy with zeroed LoRA, or a
     frozen model), Tunix's policy loss over `accumulation` micro-batches, one optimizer
     update. Returns metrics (device scalars)."""
-    from tunix.rl import common, function_registry
+    from tunix.rl import common
 
-    policy_loss = function_registry.get_policy_loss_fn(algo_config.policy_loss_fn)
     temperature = float(algo_config.temperature)
 
     def ref_logps(model, ref_model, batch):
@@ -108,9 +123,16 @@ def make_train_step(
             temperature=temperature,
         )
 
-    def loss_fn(model, example):
+    def loss_fn(model, example, behaviour_logps):
         view = models.compute_view(model)
-        return policy_loss(view, example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
+        return rl_losses.policy_loss(
+            view,
+            example,
+            algo_config=algo_config,
+            pad_id=pad_id,
+            eos_id=eos_id,
+            behaviour_logps=behaviour_logps,
+        )
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
@@ -133,7 +155,7 @@ def make_train_step(
                 ref_per_token_logps=ref,
                 old_per_token_logps=None,
             )
-            (micro_loss, aux), g = grad_fn(model, example)
+            (micro_loss, aux), g = grad_fn(model, example, mb.get("behaviour_logps"))
             loss, kl = loss + micro_loss, kl + aux["kl"]
             clip, entropy = clip + aux["pg_clipfrac"], entropy + aux["entropy"]
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
@@ -225,10 +247,18 @@ class GrpoRun:
         self.host_local = host_local
         rollout_mesh = mesh
         engine: Any = str(g.rollout_engine)
-        if engine == "vllm":
-            self.rollout_config.rollout_vllm_model_version = policy.model_dir
-            if spec.lora:
-                self.rollout_config.rollout_vllm_lora_config = {"max_lora_rank": spec.lora.rank}
+        # Disaggregated: the sampler's own mesh, on devices the trainer's mesh lacks. Tunix
+        # reshards a copy of the policy onto it (role_to_mesh) and update_params feeds it.
+        _, sampler_devices = rl_placement.split_devices(spec)
+        self.sampler_mesh = None
+        if sampler_devices:
+            if set(sampler_devices) & rl_placement.devices_of(nnx.state(policy.model)):
+                raise ValueError(
+                    "spec.grpo.rollout: the policy was loaded on the sampler's devices; load "
+                    "it on the trainer's mesh (rl_placement.split_devices)"
+                )
+            self.sampler_mesh = rollout_mesh = models.make_mesh(devices=sampler_devices)
+            self.host_local = False
         elif self.host_local:
             rollout_mesh = local_mesh()
             engine = functools.partial(make_host_local_rollout_class(), cache_config=cache_config)
@@ -254,14 +284,8 @@ class GrpoRun:
                 tokenizer=self.tok,
                 cluster_config=cluster_config,
             )
-            self.algo_config = grpo_learner.GRPOConfig(
-                num_generations=g.num_generations,
-                num_iterations=1,
-                beta=g.beta,
-                epsilon=g.epsilon,
-                loss_algo=str(g.loss_algorithm),
-                kl_loss_mode="low_var_kl",
-            )
+            self.algo_config = rl_losses.algo_config(g, grpo_learner.GRPOConfig)
+            self.variant = rl_losses.VARIANTS[str(g.loss_algorithm)]
             self.learner = grpo_learner.GRPOLearner(
                 rl_cluster=self.cluster,
                 algo_config=self.algo_config,
@@ -271,8 +295,30 @@ class GrpoRun:
         self.advantages = function_registry.get_advantage_estimator(
             self.algo_config.advantage_estimator
         )
-        # The vanilla sampler holds the policy's own nnx Variables: updates reach it.
-        self.shares_weights = engine == "vanilla"
+        # The vanilla sampler on the policy's mesh holds the policy's own nnx Variables:
+        # updates reach it.
+        self.shares_weights = engine == "vanilla" and rollout_mesh is mesh
+        self.max_staleness = g.max_staleness
+        self.sampler_lock = threading.Lock()  # one generate at a time (rollouts, eval)
+        self.weight_sync_seconds = 0.0
+        self.loader: Any = None  # rl_placement.Lookahead, set by train()
+        self.async_rollouts: rl_placement.AsyncRollouts | None = None
+        if self.sampler_mesh is not None:
+            sampler_model = self.cluster.rollout.model()
+            self._sampler_shardings = jax.tree.map(
+                lambda x: x.sharding, nnx.state(sampler_model, policy.wrt)
+            )
+            self._behaviour = _behaviour_logps_fn(
+                self.pad_id, self.eos_id, float(self.algo_config.temperature)
+            )
+            self.async_rollouts = rl_placement.AsyncRollouts(
+                max_staleness=g.max_staleness,
+                every_steps=spec.checkpoint.every_steps,
+                total_steps=spec.training.steps,
+                snapshot=self.snapshot,
+                generate=self._generate_on_sampler,
+                lock=self.sampler_lock,
+            )
         # RLCluster keeps a host copy of the whole policy for Tunix's off-policy
         # correction, which this loop does not use (num_iterations 1): free it.
         self.cluster._anchor_policy_state = None
@@ -285,6 +331,7 @@ class GrpoRun:
             spec.training.gradient_accumulation,
             self.ref_kind,
         )
+        self.batch_keys = BATCH_KEYS + (("behaviour_logps",) if g.max_staleness else ())
         self.rollout_seconds = 0.0
         self.rollout_tokens = 0
 
@@ -295,31 +342,89 @@ class GrpoRun:
         if self.shares_weights:
             return
         wrt = self.policy.wrt
+        start = time.monotonic()
         self.cluster.rollout.update_params(nnx.state(self.policy.model, wrt), (wrt,))
+        self.weight_sync_seconds = time.monotonic() - start
+
+    def snapshot(self) -> nnx.State:
+        """The policy's trainable params (only the adapters under LoRA), copied onto the
+        sampler's devices: what a weight sync moves."""
+        return jax.device_put(
+            nnx.state(self.policy.model, self.policy.wrt), self._sampler_shardings
+        )
+
+    def _generate_on_sampler(
+        self, index: int, host_batch: dict[str, np.ndarray], snapshot: nnx.State
+    ) -> dict[str, np.ndarray]:
+        """On the sampler thread: load `snapshot` into the sampler, sample step `index`'s
+        rollouts, and (asynchronous rollouts) the sampling policy's log-probs."""
+        self.cluster.rollout.update_params(snapshot, (self.policy.wrt,))
+        rolled = self._rollout(host_batch, index)
+        if self.max_staleness:
+            replicated = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
+            logps = self._behaviour(
+                self.cluster.rollout.model(),
+                jax.device_put(rolled["prompt_ids"], replicated),
+                jax.device_put(rolled["completion_ids"], replicated),
+            )
+            rolled["behaviour_logps"] = np.asarray(logps, np.float32)
+        return rolled
 
     def rollout(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
-        """Sample numGenerations completions of this host's prompts and score them."""
-        G = self.g.num_generations
-        prompts = [str(p) for p in host_batch["prompts"] for _ in range(G)]
-        answers = np.repeat(np.asarray(host_batch["answer"], dtype=object), G)
+        """Sample numGenerations completions of this host's prompts and score them. With
+        DAPO's dynamic sampling, groups whose rewards are all equal are dropped and
+        resampled (up to DYNAMIC_SAMPLING_ROUNDS rounds; groups still uninformative then
+        stay, with zero advantage)."""
         self.sync_rollout()
+        return self._rollout(host_batch, index)
+
+    def _rollout(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
+        G = self.g.num_generations
         # Seeded by (seed, step, host): a resumed run samples what the first run sampled.
         key = jax.random.PRNGKey(self.spec.training.seed)
         key = jax.random.fold_in(jax.random.fold_in(key, index), self.process.process_id)
+        prompts = np.asarray([str(p) for p in host_batch["prompts"]], dtype=object)
+        answers = np.asarray(host_batch["answer"], dtype=object)
+        sample = self._sample(prompts, answers, key)
+        self.resampled_groups = 0
+        if self.variant.dynamic_sampling:
+            for attempt in range(1, DYNAMIC_SAMPLING_ROUNDS):
+                flat = rl_losses.informative_groups(sample["total"], G)
+                if flat.all():
+                    break
+                redo = np.flatnonzero(~flat)
+                self.resampled_groups += len(redo)
+                again = self._sample(
+                    prompts[redo], answers[redo], jax.random.fold_in(key, 10_000 + attempt)
+                )
+                rows = (redo[:, None] * G + np.arange(G)).reshape(-1)
+                for k, v in again.items():
+                    sample[k][rows] = v
+        total = sample.pop("total")
+        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
+        self.last_texts = sample.pop("texts")
+        if self.variant.dynamic_sampling:
+            sample["resampled_groups"] = np.int32(self.resampled_groups)
+        return {**sample, "advantages": advantages}
+
+    def _sample(self, prompts: np.ndarray, answers: np.ndarray, key: jax.Array) -> dict:
+        """numGenerations completions of each prompt sampled with `key`, scored."""
+        G = self.g.num_generations
+        repeated = [str(p) for p in prompts for _ in range(G)]
         # As host data: under the global mesh a device key would carry that mesh into the
         # host-local sampler.
         self.rollout_config.seed = np.asarray(key)
         start = time.monotonic()
-        out = self.cluster.generate(prompts)
+        out = self.cluster.generate(repeated)
         self.rollout_seconds += time.monotonic() - start
         completion_ids, completion_mask = _eos_padded(
             out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
         )
         self.rollout_tokens += int(completion_mask.sum())
         info = self.learner.reward_manager(
-            prompts=prompts,
+            prompts=repeated,
             completions=out.text,
-            answer=answers,
+            answer=np.repeat(answers, G),
             completion_tokens=[len(t) for t in out.tokens],
             mode="train",
         )
@@ -330,15 +435,13 @@ class GrpoRun:
             ],
             axis=-1,
         )
-        total = np.asarray(info["rewards"], np.float32)
-        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
-        self.last_texts = out.text
         return {
             "prompt_ids": np.asarray(out.left_padded_prompt_tokens, np.int32),
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
-            "advantages": advantages,
             "rewards": parts,
+            "total": np.asarray(info["rewards"], np.float32),
+            "texts": np.asarray(out.text, dtype=object),
         }
 
     def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -346,14 +449,17 @@ class GrpoRun:
         reward, the prompts that passed (every reward but lengthPenalty positive) and the
         prompt count, over all hosts (each generates for its own prompts)."""
         prompts = [str(p) for p in host_batch["prompts"]]
-        self.sync_rollout()
-        config = self.rollout_config
-        saved = config.top_k, config.seed
-        config.top_k, config.seed = 1, np.asarray(jax.random.PRNGKey(0))  # greedy
-        try:
-            out = self.cluster.generate(prompts)
-        finally:
-            config.top_k, config.seed = saved
+        with self.sampler_lock:  # the sampler thread loads its own version before sampling
+            self.sync_rollout()
+            config = self.rollout_config
+            saved = config.top_k, config.seed
+            config.top_k, config.seed = 1, np.asarray(jax.random.PRNGKey(0))  # greedy
+            try:
+                # The loop runs under the trainer's mesh; a disaggregated sampler's own.
+                with jax.set_mesh(self.sampler_mesh or self.mesh):
+                    out = self.cluster.generate(prompts)
+            finally:
+                config.top_k, config.seed = saved
         columns = {
             "answer": list(host_batch["answer"]),
             "completion_tokens": [len(t) for t in out.tokens],
@@ -370,13 +476,66 @@ class GrpoRun:
         )
 
     def __call__(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
+        if self.async_rollouts is not None:
+            return self._disaggregated_step(host_batch, index)
         rolled = self.rollout(host_batch, index)
         batch = loop._global_batch(rolled, self.mesh, BATCH_KEYS)
         out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        return self._named(out, rolled)
+
+    def _disaggregated_step(self, host_batch: dict[str, np.ndarray], index: int) -> dict:
+        """Train on step `index`'s rollout (sampled on the sampler mesh, up to
+        maxStaleness versions ago), then hand the sampler the new version's weights."""
+        rollouts = self.async_rollouts
+
+        def batch_at(step: int) -> dict[str, np.ndarray]:
+            return host_batch if step == index else self.loader.peek(step - index)
+
+        if rollouts.start is None:
+            rollouts.begin(index, batch_at)
+        rolled, version = rollouts.take(index)
+        batch = loop._global_batch(rolled, self.mesh, self.batch_keys)
+        start = time.monotonic()
+        out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        jax.block_until_ready(out)
+        rollouts.trained(start, time.monotonic())
+        rollouts.submit_due(index + 1, batch_at)
+        out["staleness"] = index - version
+        out.update(rollouts.metrics())
+        return self._named(out, rolled)
+
+    def close(self) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
+
+    def _named(self, out: dict[str, Any], rolled: dict[str, Any]) -> dict[str, Any]:
+        if "resampled_groups" in rolled:
+            out["resampled_groups"] = rolled["resampled_groups"]
         parts = out.pop("reward_parts")
         for j, name in enumerate(self.reward_names):
             out[f"reward/{name}"] = parts[j]
         return out
+
+
+def _behaviour_logps_fn(pad_id: int, eos_id: int, temperature: float):
+    """The per-token log-probs of completions under the sampler's model (the behaviour
+    policy of asynchronous rollouts), as the train step computes the policy's."""
+    from tunix.rl import common
+
+    def logps(model, prompt_ids, completion_ids):
+        graphdef, state = nnx.split(models.compute_view(model))
+        return common.compute_per_token_logps(
+            graphdef,
+            state,
+            prompt_tokens=prompt_ids,
+            completion_tokens=completion_ids,
+            pad_id=pad_id,
+            eos_id=eos_id,
+            stop_gradient=True,
+            temperature=temperature,
+        )
+
+    return nnx.jit(logps)
 
 
 def check(spec: Any) -> None:
@@ -391,7 +550,11 @@ def train(run: loop.RunSetup) -> loop.Result:
     """GRPO for spec.training.steps steps of spec.training.batchSize prompts (each with
     spec.grpo.numGenerations completions), resuming from the newest checkpoint."""
     grpo_run = GrpoRun(run.job, run.process, run.policy, run.tokenizer, run.mesh)
-    return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary)
+    run.loader = grpo_run.loader = rl_placement.Lookahead(run.loader)
+    try:
+        return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary)
+    finally:
+        grpo_run.close()
 
 
 def reward_summary(sums: dict[str, float]) -> dict[str, float]:

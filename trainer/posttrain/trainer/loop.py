@@ -35,7 +35,7 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, goodput, models, optim, sft, storage
+from posttrain.trainer import data, evaluate, goodput, models, optim, rl_placement, sft, storage
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
 from posttrain.trainer.distributed import ProcessInfo
@@ -241,7 +241,8 @@ def setup_run(
     spec = job.spec
     started = started or (time.monotonic(), time.time())
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    mesh = models.make_mesh()
+    # GRPO with a disaggregated sampler trains on its share of the devices only.
+    mesh = models.make_mesh(devices=rl_placement.split_devices(spec)[0])
     log.info("loading the model from %s", spec.model.source)
     policy = load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)

@@ -39,6 +39,15 @@ def _on_bar(metrics: dict[str, float]) -> dict[str, str]:
     return {name: fmt.format(metrics[k]) for k, (name, fmt) in ON_BAR.items() if k in metrics}
 
 
+# GRPO's sampler metrics (posttrain.trainer.rl_placement) in status.progress.rollout.
+ROLLOUT_METRICS = {
+    "staleness": "staleness",
+    "sampler_busy": "samplerBusy",
+    "learner_busy": "learnerBusy",
+    "weight_sync_seconds": "weightSyncSeconds",
+}
+
+
 class StatusWriter:
     """Merge-patches status.progress of one PostTrainJob."""
 
@@ -190,6 +199,9 @@ class Progress:
             "tokens_per_second": "tokensPerSecond",
         }
         out.update({wire: float(metrics[k]) for k, wire in names.items() if k in metrics})
+        rollout = {wire: float(metrics[k]) for k, wire in ROLLOUT_METRICS.items() if k in metrics}
+        if rollout:
+            out["rollout"] = rollout
         if (eta := self.eta_seconds(step)) is not None:
             out["etaSeconds"] = eta
         if self.last_checkpoint_step is not None:

@@ -1,0 +1,171 @@
+"""Does GRPO with stale rollouts still learn? The same task, model, data and seeds trained
+on-policy (maxStaleness 0) and with rollouts 1 and 2 policy versions old (decoupled PPO's
+behaviour weights correcting the gap), all with a disaggregated sampler on CPU devices.
+
+The task is the trainer tests' "Say N." -> "N" on a tiny random Llama first SFT'd a
+little (it says the right digit about 40% of the time); GRPO with an exactAnswer reward
+raises that. Prints, per maxStaleness, the mean training reward of the first and last
+`--window` steps and the held-out greedy pass rate at the end, and the gap to the
+on-policy run (the stated tolerance: within 0.1 of the on-policy final reward).
+
+    python bench/grpo_staleness.py [--steps 30] [--devices 8] [--window 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+if "--devices" in sys.argv:  # before jax starts
+    _n = sys.argv[sys.argv.index("--devices") + 1]
+else:
+    _n = "8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "trainer")]
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from tb_events import scalars  # noqa: E402
+from tiny_model import make_tiny_llama  # noqa: E402
+
+from posttrain.api.validate import validate  # noqa: E402
+from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
+from posttrain.trainer.loop import train  # noqa: E402
+
+TOLERANCE = 0.1
+
+
+def job(spec: dict):
+    doc = {
+        "apiVersion": "posttrain.dev/v1alpha1",
+        "kind": "PostTrainJob",
+        "metadata": {"name": "staleness"},
+        "spec": spec,
+    }
+    parsed, errors = validate(doc)
+    assert not errors, errors
+    return parsed
+
+
+def write_task(root: Path) -> tuple[Path, Path, Path]:
+    rng = random.Random(0)
+    sft, prompts, held_out = root / "sft.jsonl", root / "say.jsonl", root / "held-out.jsonl"
+    with sft.open("w") as f:
+        for _ in range(200):
+            n = rng.randint(0, 9)
+            msgs = [
+                {"role": "user", "content": f"Say {n}."},
+                {"role": "assistant", "content": str(n)},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    for path, rows in ((prompts, 200), (held_out, 20)):
+        path.write_text(
+            "".join(
+                json.dumps({"prompt": f"Say {n}.", "answer": str(n)}) + "\n"
+                for n in (rng.randint(0, 9) for _ in range(rows))
+            )
+        )
+    return sft, prompts, held_out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp())
+    sft, prompts, held_out = write_task(root)
+    base = make_tiny_llama(root / "base")
+    train(
+        job(
+            {
+                "model": {"source": str(base), "dtype": "float32"},
+                "data": {"source": str(sft), "maxLength": 48},
+                "training": {
+                    "steps": 55,
+                    "batchSize": 16,
+                    "learningRate": 0.01,
+                    "schedule": "constant",
+                    "logEverySteps": 55,
+                },
+                "checkpoint": {"everySteps": 1000},
+                "output": {"uri": str(root / "sft")},
+            }
+        ),
+        ProcessInfo(None, 1, 0),
+        show_bar=False,
+    )
+    results = {}
+    for k in args.staleness:
+        out = root / f"grpo-{k}"
+        spec = {
+            "technique": "grpo",
+            "model": {"source": str(root / "sft" / "hf"), "dtype": "float32"},
+            "data": {"source": str(prompts)},
+            "training": {
+                "steps": args.steps,
+                "batchSize": 8,
+                "learningRate": 0.002,
+                "schedule": "constant",
+                "logEverySteps": 1,
+                "seed": 0,
+            },
+            "grpo": {
+                "numGenerations": 4,
+                "beta": 0.04,
+                "maxPromptLength": 48,
+                "maxCompletionLength": 4,
+                "temperature": 1.0,
+                "rewards": [{"type": "exactAnswer"}],
+                "rollout": {"placement": "disaggregated", "samplerFraction": 0.5},
+                "maxStaleness": k,
+            },
+            "eval": {"source": str(held_out), "everySteps": args.steps, "samples": 0},
+            "checkpoint": {"everySteps": 1000},
+            "output": {"uri": str(out)},
+        }
+        result = train(job(spec), ProcessInfo(None, 1, 0), show_bar=False)
+        tb = scalars(out / "tensorboard")
+        reward = [tb["train/reward"][s] for s in sorted(tb["train/reward"])]
+        stale = [tb["train/staleness"][s] for s in sorted(tb["train/staleness"])]
+        results[k] = {
+            "first": float(np.mean(reward[: args.window])),
+            "last": float(np.mean(reward[-args.window :])),
+            "pass_rate": result.evals[args.steps]["pass_rate"],
+            "pass_rate_0": result.evals[0]["pass_rate"],
+            "max_staleness_seen": max(stale),
+        }
+    print(
+        f"task: 'Say N.' -> 'N', tiny Llama SFT'd 55 steps; GRPO full fine-tune "
+        f"{args.steps} steps x 8 prompts x 4 completions; sampler 0.5 of "
+        f"{jax.device_count()} CPU devices"
+    )
+    ref = results.get(0)
+    for k, r in results.items():
+        gap = "" if ref is None else f"  gap to on-policy {r['last'] - ref['last']:+.3f}"
+        print(
+            f"maxStaleness {k}: train reward {r['first']:.3f} -> {r['last']:.3f} "
+            f"(mean of first/last {args.window} steps), held-out pass rate "
+            f"{r['pass_rate_0']:.2f} -> {r['pass_rate']:.2f}, staleness seen "
+            f"{r['max_staleness_seen']:.0f}{gap}"
+        )
+    if ref is None:
+        return 0
+    within = all(r["last"] >= ref["last"] - TOLERANCE for r in results.values())
+    print(f"every run within {TOLERANCE} of the on-policy final reward: {within}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
