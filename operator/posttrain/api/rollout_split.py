@@ -98,3 +98,14 @@ def multi_host_error(spec: Any, hosts: int) -> tuple[str, str] | None:
             "the trainer's and the sampler's meshes",
         )
     return None
+
+
+def job_devices(job: Any, placement: Any) -> int | None:
+    """Every device of the job on its catalog placement (None for CPU: the trainer
+    counts what it finds)."""
+    res = job.spec.resources
+    if placement.is_tpu:
+        return placement.hosts * placement.devices_per_host * res.slices
+    if placement.kind == "gpu":
+        return res.nodes * max(placement.devices_per_host, 1)
+    return None

@@ -151,16 +151,6 @@ def _images_errors(job: PostTrainJob) -> list[FieldError]:
     return []
 
 
-def job_devices(job: PostTrainJob, placement: catalog.Placement) -> int | None:
-    """Every device of the job (None for CPU: the trainer counts what it finds)."""
-    res = job.spec.resources
-    if placement.is_tpu:
-        return placement.hosts * placement.devices_per_host * res.slices
-    if placement.kind == "gpu":
-        return res.nodes * max(placement.devices_per_host, 1)
-    return None
-
-
 def _rollout_errors(
     job: PostTrainJob, placement: catalog.Placement
 ) -> tuple[list[FieldError], int | None]:
@@ -170,7 +160,7 @@ def _rollout_errors(
     hosts = placement.hosts * res.slices if placement.is_tpu else res.nodes
     if problem := rollout_split.multi_host_error(job.spec, hosts):
         return [FieldError(*problem)], None
-    devices = job_devices(job, placement)
+    devices = rollout_split.job_devices(job, placement)
     if devices is None:
         return [], None
     found, problem = rollout_split.split(job.spec, devices)

@@ -341,12 +341,6 @@ def _pathways_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig
     return [head_job, worker_job]
 
 
-def _job_devices(job: PostTrainJob, placement: Placement) -> int | None:
-    from posttrain.api.validate import job_devices
-
-    return job_devices(job, placement)
-
-
 def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig) -> dict:
     """The JobSet manifest for a valid job (see `posttrain.api.validate`)."""
     spec = job.spec
@@ -359,7 +353,7 @@ def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig)
     meta = object_meta(job, names.jobset_name(job.metadata.name), labels)
     if placement.is_tpu and not use_pathways:  # Pathways: per replicated job
         meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
-    split = rollout_split.describe(spec, _job_devices(job, placement))
+    split = rollout_split.describe(spec, rollout_split.job_devices(job, placement))
     if split is not None:  # the slices reserved hold the trainer's and the sampler's
         meta.setdefault("annotations", {})[rollout_split.ANNOTATION] = split
     jobs = (_pathways_jobs if use_pathways else _direct_jobs)(job, placement, config)
