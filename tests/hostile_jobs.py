@@ -66,6 +66,18 @@ def tpu(accelerator: str, **resources: Any) -> Mutation:
     return put("spec.resources", {"accelerator": accelerator, **resources})
 
 
+def name_of_length(length: int) -> Mutation:
+    """metadata.name padded to `length`, keeping its unique tail (the integration tier
+    creates every case under its own name)."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        tail = doc["metadata"]["name"][-6:]
+        doc["metadata"]["name"] = ("n" + "x" * length)[: length - len(tail)] + tail
+
+    return mutate
+
+
+PATHWAYS = {"enabled": True, "gcsScratchLocation": "gs://bucket/scratch"}
 H = Hostile
 MODEL, DATA, OUT = "spec.model.source", "spec.data.source", "spec.output.uri"
 BATCH, STEPS = "spec.training.batchSize", "spec.training.steps"
@@ -216,6 +228,17 @@ CASES: list[Hostile] = [
     H("name-64-chars", "metadata.name", put("metadata.name", "a" * 64)),
     H("name-unicode", "metadata.name", put("metadata.name", "jöb")),
     H("name-ends-with-dash", "metadata.name", put("metadata.name", "job-")),
+    # JobSet's coordinator label `<name>-<replicatedJob>-0-0.<name>` fits 63 characters
+    H("name-26-node-ok", None, name_of_length(26)),
+    H("name-27-node", "metadata.name", name_of_length(27)),
+    H("name-26-slice-ok", None, both(tpu("v6e-8"), name_of_length(26))),
+    H("name-27-slice", "metadata.name", both(tpu("v6e-8"), name_of_length(27))),
+    H("name-22-pathways-ok", None, both(tpu("v6e-16", pathways=PATHWAYS), name_of_length(22))),
+    H(
+        "name-23-pathways",
+        "metadata.name",
+        both(tpu("v6e-16", pathways=PATHWAYS), name_of_length(23)),
+    ),
     # -- user regexes: compiled, and bounded (nested quantifiers, repeat counts) --------
     H("regex-huge-repeat", TARGETS, lora(targetModules="a{4294967296}")),
     H("regex-thousand-groups", TARGETS, lora(targetModules="(" * 1000)),

@@ -312,8 +312,7 @@ CASES: list[Case] = [
             ),
         ),
         "metadata.name",
-        "at most 39 characters",
-        server=False,
+        "at most 22 characters",
     ),
     Case(
         "images-with-dpo",

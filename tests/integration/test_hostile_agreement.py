@@ -92,7 +92,7 @@ def names_field(message: str, field: str) -> bool:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_api_server_agrees_with_validate(hooked, case: Hostile):
     apiserver, namespace, _ = hooked
-    name = unique_name(case.id, 40)
+    name = unique_name(case.id, 22)
     _, errors = validate(case.doc(name))
     refused = bool(errors)
     assert refused == (case.field is not None), [str(e) for e in errors]
@@ -110,7 +110,7 @@ def test_admitted_jobs_get_a_jobset_and_a_phase(hooked):
     admitted = [c for c in CASES if c.field is None]
     assert len(admitted) >= 10
     for case in admitted:
-        name = unique_name(f"ok-{case.id}", 40)
+        name = unique_name(f"ok-{case.id}", 22)
         text = case.yaml(name) if case.text is not None else json.dumps(case.doc(name))
         proc = create(apiserver, namespace, text)
         assert proc.returncode == 0, proc.stderr

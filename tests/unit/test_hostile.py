@@ -24,3 +24,11 @@ def test_validate_agrees_with_the_corpus(case):
     assert case.field in {e.field for e in errors}, [str(e) for e in errors]
     for e in errors:  # what is echoed cannot forge lines or reorder text
         assert "\n" not in str(e) and "\x1b" not in str(e) and "\u202e" not in str(e)
+
+
+def test_the_crds_name_limits_are_the_coordinator_labels():
+    from posttrain.api import rules
+    from posttrain.render.names import max_name_length
+
+    assert rules.NAME_MAX == max_name_length("node") == max_name_length("slice") == 26
+    assert rules.NAME_MAX_PATHWAYS == max_name_length("pathways-head") == 22
