@@ -288,6 +288,9 @@ CASES: list[Hostile] = [
     H("gs-port", OUT, put(OUT, "gs://bucket:443/out")),
     H("gs-fragment", OUT, put(OUT, "gs://bucket/out#frag")),
     H("gs-traversal", OUT, put(OUT, "gs://bucket/a/../../b")),
+    H("gs-upper-scheme-output", OUT, put(OUT, "GS://bucket/out")),
+    H("gs-mixed-scheme-data", DATA, put(DATA, "Gs://bucket/data.jsonl")),
+    H("hf-upper-scheme-model", MODEL, put(MODEL, "HF://org/name")),
     H("gs-ok", None, put(OUT, "gs://my-runs/qwen3/run-1")),
     H(
         "data-traversal",
