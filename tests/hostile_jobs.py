@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from invalid_jobs import _all as both
@@ -77,6 +78,8 @@ def name_of_length(length: int) -> Mutation:
     return mutate
 
 
+# Local model directories whose config.json is no model's config.
+MODELS = Path(__file__).resolve().parent / "hostile_models"
 PATHWAYS = {"enabled": True, "gcsScratchLocation": "gs://bucket/scratch"}
 H = Hostile
 MODEL, DATA, OUT = "spec.model.source", "spec.data.source", "spec.output.uri"
@@ -288,6 +291,19 @@ CASES: list[Hostile] = [
     H("gs-port", OUT, put(OUT, "gs://bucket:443/out")),
     H("gs-fragment", OUT, put(OUT, "gs://bucket/out#frag")),
     H("gs-traversal", OUT, put(OUT, "gs://bucket/a/../../b")),
+    H("config-zero-heads", MODEL, put(MODEL, str(MODELS / "zero-heads"))),
+    H("config-hidden-overflow", MODEL, put(MODEL, str(MODELS / "hidden-overflow"))),
+    H("config-list", MODEL, put(MODEL, str(MODELS / "list"))),
+    H("config-not-json", MODEL, put(MODEL, str(MODELS / "not-json"))),
+    H("config-vision-list", MODEL, put(MODEL, str(MODELS / "vision-list"))),
+    H(
+        "config-teacher-zero-heads",
+        "spec.distill.teacher.source",
+        both(
+            put("spec.technique", "distill"),
+            put("spec.distill", {"teacher": {"source": str(MODELS / "zero-heads")}}),
+        ),
+    ),
     H("gs-upper-scheme-output", OUT, put(OUT, "GS://bucket/out")),
     H("gs-mixed-scheme-data", DATA, put(DATA, "Gs://bucket/data.jsonl")),
     H("hf-upper-scheme-model", MODEL, put(MODEL, "HF://org/name")),

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hostile_jobs import MODELS
 from invalid_jobs import valid_job
 from operator_process import (
     OperatorProcess,
@@ -265,6 +266,29 @@ def test_invalid_job_without_webhook_fails_cleanly(
     assert "spec.resources.accelerator" in status["message"] and "v6e-256" in status["message"]
     assert jobsets(apiserver, namespace) == []
     wait_for(lambda: "InvalidSpec" in events(apiserver, namespace, "impossible"), timeout=20)
+    # A credential in a refused output URI reaches neither the status, the Events nor the
+    # logs; a config.json that is no model's fails the job with its file and key.
+    create_job(apiserver, namespace, "leaky", output={"uri": "gs://TOKEN@bucket/run"})
+    source = str(MODELS / "zero-heads")
+    create_job(apiserver, namespace, "bad-config", model={"source": source})
+    for name, field, words in [
+        ("leaky", "spec.output.uri", "credentials"),
+        ("bad-config", "spec.model.source", "config.json: num_attention_heads"),
+    ]:
+        wait_for(lambda n=name: phase(apiserver, namespace, n) == "Failed", timeout=30)
+        status = get_job(apiserver, namespace, name)["status"]
+        assert (
+            field in status["message"]
+            and words in failed_condition(apiserver, namespace, name)["message"]
+        ), status
+        wait_for(lambda n=name: event_messages(apiserver, namespace, n, "InvalidSpec"), timeout=20)
+    leaky = get_job(apiserver, namespace, "leaky")
+    assert "outputs" not in leaky["status"] and "TOKEN" not in json.dumps(leaky["status"])
+    assert not any(
+        "TOKEN" in m for m in event_messages(apiserver, namespace, "leaky", "InvalidSpec")
+    )
+    assert "TOKEN" not in operator.logs()
+    assert jobsets(apiserver, namespace) == []
     create_job(apiserver, namespace, "fine")  # the operator is still working
     wait_for(lambda: phase(apiserver, namespace, "fine") == "Pending", timeout=30)
 

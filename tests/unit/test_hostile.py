@@ -32,3 +32,24 @@ def test_the_crds_name_limits_are_the_coordinator_labels():
 
     assert rules.NAME_MAX == max_name_length("node") == max_name_length("slice") == 26
     assert rules.NAME_MAX_PATHWAYS == max_name_length("pathways-head") == 22
+
+
+@pytest.mark.parametrize(
+    "model,key",
+    [
+        ("zero-heads", "num_attention_heads"),
+        ("hidden-overflow", "hidden_size"),
+        ("list", "expected a JSON object"),
+        ("not-json", "not JSON"),
+        ("vision-list", "vision_config"),
+    ],
+)
+def test_a_bad_config_json_is_one_line_naming_the_file_and_key(model, key):
+    from hostile_jobs import MODELS, valid_job
+
+    doc = valid_job("bad-config")
+    doc["spec"]["model"]["source"] = str(MODELS / model)
+    _, errors = validate(doc)
+    (error,) = [e for e in errors if e.field == "spec.model.source"]
+    assert f"{MODELS / model / 'config.json'}: " in error.message and key in error.message
+    assert "\n" not in str(error)

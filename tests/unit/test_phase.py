@@ -875,3 +875,26 @@ def test_queue_positions_from_kueue_summary():
     }
     assert queue_positions(summary) == {"w1": (1, 5), "w2": (1, 1)}
     assert queue_positions({"items": []}) == {}
+
+
+@pytest.mark.parametrize(
+    "uri", ["gs://TOKEN@bucket/run", "gs://key:TOKEN@bucket/run", "GS://TOKEN@bucket/run"]
+)
+def test_a_refused_output_uri_never_reaches_the_status(uri):
+    import json
+
+    from invalid_jobs import valid_job
+
+    from posttrain.api.validate import validate
+    from posttrain.controller.phase import Observation, observation_patch
+
+    doc = valid_job("leaky")
+    doc["spec"]["output"]["uri"] = uri
+    _, errors = validate(doc)
+    message = "; ".join(str(e) for e in errors)
+    assert "spec.output.uri" in message
+    patch = observation_patch(
+        Observation(Phase.failed, "InvalidSpec", message), doc["spec"], {}, "t", 1
+    )
+    assert patch["phase"] == "Failed" and "outputs" not in patch
+    assert "TOKEN" not in json.dumps(patch)

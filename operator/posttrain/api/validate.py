@@ -135,6 +135,20 @@ def _lora_errors(job: PostTrainJob) -> list[FieldError]:
     return errors
 
 
+def _model_config_errors(job: PostTrainJob) -> list[FieldError]:
+    """A model's config.json at hand is input too: one that is not a model's config is
+    refused, naming the file and the key."""
+    spec = job.spec
+    sources = [("spec.model.source", spec.model.source)]
+    if spec.distill is not None:
+        sources.append(("spec.distill.teacher.source", spec.distill.teacher.source))
+    return [
+        FieldError(field, problem)
+        for field, source in sources
+        if (problem := model_shapes.config_problem(source))
+    ]
+
+
 def _images_errors(job: PostTrainJob) -> list[FieldError]:
     """Images need a checkpoint with a vision tower (the family rule is in rules.py)."""
     spec = job.spec
@@ -161,6 +175,7 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
     if too_large := size_error(job):
         errors.append(FieldError("spec", too_large))
+    errors += _model_config_errors(job)
     errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
         errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))

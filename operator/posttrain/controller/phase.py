@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.api.locations import GS, PATH, location_error
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, Phase
 from posttrain.render.jobset import KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL
 
@@ -473,7 +474,13 @@ def conditions_for(
     return out
 
 
-def outputs_for(output_uri: str) -> dict[str, str]:
+def outputs_for(output_uri: Any) -> dict[str, str]:
+    """Where the job's outputs go; nothing for a URI validate refuses (it may carry a
+    credential, `gs://TOKEN@bucket`, which never reaches the status)."""
+    if not isinstance(output_uri, str) or not output_uri:
+        return {}
+    if location_error(output_uri, (PATH, GS)) is not None:
+        return {}
     base = output_uri.rstrip("/")
     return {
         "checkpoints": f"{base}/checkpoints",
@@ -506,8 +513,10 @@ def _patch(
         "message": one_line(message),
         "conditions": conditions_for(obs, previous.get("conditions", []), now, generation),
         "restarts": obs.restarts,
-        "outputs": outputs_for(spec.get("output", {}).get("uri", "")),
     }
+    output = spec.get("output")
+    if outputs := outputs_for(output.get("uri") if isinstance(output, dict) else None):
+        patch["outputs"] = outputs
     if generation is not None:
         patch["observedGeneration"] = generation
     if jobset is not None:
