@@ -401,6 +401,29 @@ CASES: list[Hostile] = [
             },
         ),
     ),  # fmt: skip
+    # -- what the API server refuses in the Jobs' pods, after the JobSet was made ---------
+    H(
+        "secret-key-dotdot",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": ".."}),
+    ),
+    H(
+        "secret-key-dot",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": "."}),
+    ),
+    H(
+        "secret-key-leading-dots",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": "..x"}),
+    ),
+    H("secret-key-dotfile-ok", None, put("spec.hfTokenSecret", {"name": "hf", "key": ".token"})),
+    H(
+        "head-node-pool-dash",
+        "spec.resources.pathways.headNodePool",
+        tpu("v6e-16", pathways={**PATHWAYS, "headNodePool": "-cpu-"}),
+    ),
+    H("head-node-pool-ok", None, tpu("v6e-16", pathways={**PATHWAYS, "headNodePool": "cpu-1"})),
     H("image-with-scheme", "spec.image", put("spec.image", "https://ghcr.io/x/trainer:1")),
     H("image-with-space", "spec.image", put("spec.image", "trainer:1 --privileged")),
     H("image-newline", "spec.image", put("spec.image", "trainer:1\nrm")),

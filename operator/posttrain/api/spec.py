@@ -506,7 +506,9 @@ class PathwaysSpec(KubeModel):
     )
     """gs:// scratch space for the proxy. Default: <output.uri>/pathways-scratch."""
 
-    head_node_pool: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9-]+$")
+    head_node_pool: str | None = Field(
+        default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
     """GKE node pool (label cloud.google.com/gke-nodepool) of the pathways-head pod, a CPU
     pool. Default: the operator's setting (chart value defaults.pathwaysHeadNodePool)."""
 
@@ -594,9 +596,14 @@ class SecretKeyRef(KubeModel):
     """Secret name."""
 
     key: str = Field(
-        default="token", min_length=1, max_length=NAME_MAX, pattern=r"^[-._a-zA-Z0-9]+$"
+        default="token",
+        min_length=1,
+        max_length=NAME_MAX,
+        # A Secret key as the API server checks one in a pod (IsConfigMapKey): not `.`,
+        # `..` or starting with `..`, else the JobSet is made and its Jobs are refused.
+        pattern=r"^([-_a-zA-Z0-9][-._a-zA-Z0-9]*|\.[-_a-zA-Z0-9][-._a-zA-Z0-9]*)$",
     )
-    """Key within the Secret."""
+    """Key within the Secret (letters, digits, `-`, `_`, `.`; not `.`, `..` or `..x`)."""
 
 
 # Cross-field rules live in posttrain.api.rules (one list, enforced both as CEL in the CRD
