@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+import kubernetes
 import pytest
 from hostile_jobs import MODELS
 from invalid_jobs import valid_job
@@ -32,6 +33,7 @@ from trainer_access import (
     trainer_pod,
 )
 
+from posttrain.render.jobset import JOB_NAME_LABEL
 from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
 from posttrain.render.trainer_config import CONFIG_ANNOTATION
 from tests.cluster import Cluster, self_signed, wait_for
@@ -98,6 +100,27 @@ def events(apiserver: Cluster, namespace: str, name: str) -> list[str]:
     return [e.reason for e in items]
 
 
+def running_pod(
+    apiserver: Cluster, namespace: str, name: str, job: str, job_uid: str | None = None
+) -> None:
+    """A pod of the job's leader Job (labels as JobSet sets them) whose container runs; owned
+    by the batch Job `job_uid`, or by nothing."""
+    labels = {JOB_NAME_LABEL: job, "jobset.sigs.k8s.io/replicatedjob-name": "node",
+              "jobset.sigs.k8s.io/job-index": "0", "jobset.sigs.k8s.io/restart-attempt": "0"}  # fmt: skip
+    meta: dict = {"name": name, "labels": labels}
+    if job_uid:
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{job}-node-0",
+                                    "uid": job_uid, "controller": True}]  # fmt: skip
+    apiserver.core.create_namespaced_pod(
+        namespace, {"metadata": meta, "spec": {"containers": [{"name": "trainer", "image": "t"}]}}
+    )
+    started = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+    status = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "ready": True, "restartCount": 0, "image": "t", "imageID": "",
+         "state": started}]}  # fmt: skip
+    apiserver.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+
 def test_creates_owned_objects_and_status(
     apiserver: Cluster, namespace: str, operator: OperatorProcess
 ):
@@ -135,6 +158,27 @@ def test_creates_owned_objects_and_status(
     }
     wait_for(lambda: "Pending" in events(apiserver, namespace, "first"), timeout=20)
     assert "JobSetCreated" not in events(apiserver, namespace, "first")  # the phase's Event says it
+
+    # A running pod that only carries the job's labels is not the job's: it stays Pending.
+    running_pod(apiserver, namespace, "first-foreign", "first")
+    time.sleep(2)
+    assert phase(apiserver, namespace, "first") == "Pending"
+    # The JobSet's own pod (owned by a Job the JobSet controls) runs: the job runs.
+    owner = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": "first",
+             "uid": js["metadata"]["uid"], "controller": True}  # fmt: skip
+    batch = kubernetes.client.BatchV1Api(apiserver.api_client)
+    batch_job = batch.create_namespaced_job(
+        namespace,
+        {"metadata": {"name": "first-node-0", "labels": {JOB_NAME_LABEL: "first"},
+                      "ownerReferences": [owner]},
+         "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never",
+                  "containers": [{"name": "trainer", "image": "t"}]}}}},
+    )  # fmt: skip
+    running_pod(apiserver, namespace, "first-node-0-0", "first", batch_job.metadata.uid)
+    wait_for(lambda: phase(apiserver, namespace, "first") == "Running", timeout=30)
+    batch.delete_namespaced_job("first-node-0", namespace, propagation_policy="Orphan")
+    for name in ("first-foreign", "first-node-0-0"):
+        apiserver.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
 
     # The JobSet runs, then completes: the phase follows, with conditions and events.
     set_jobset_status(apiserver, namespace, "first", RUNNING)

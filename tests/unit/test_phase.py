@@ -898,3 +898,29 @@ def test_a_refused_output_uri_never_reaches_the_status(uri):
     )
     assert patch["phase"] == "Failed" and "outputs" not in patch
     assert "TOKEN" not in json.dumps(patch)
+
+
+def test_only_pods_whose_owner_chain_leads_to_the_jobset_count():
+    from posttrain.controller.phase import owned_pods
+
+    def owned_by(body, uid):
+        body["metadata"]["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "j-slice-0", "uid": uid,
+             "controller": True}
+        ]  # fmt: skip
+        return body
+
+    running = {"phase": "Running", "containers": [RUNNING]}
+    mine = pod_state(owned_by(pod(**running), "job-1"))
+    foreign = [
+        pod_state(pod(**running)),  # the job's name label, no owner
+        pod_state(owned_by(pod(**running), "job-2")),  # a Job of another JobSet
+        pod_state(owned_by(pod(**running), "job-3")),  # a Job no JobSet controls
+    ]
+    jobs = [("job-1", "js-uid"), ("job-2", "other-js"), ("job-3", None)]
+    assert owned_pods([mine, *foreign], jobs, "js-uid") == [mine]
+    # A job whose own pods cannot schedule is not Running for a foreign pod.
+    waiting = pod_state(owned_by(pod(conditions=[UNSCHEDULABLE]), "job-1"))
+    pods = owned_pods([waiting, *foreign], jobs, "js-uid")
+    p = status_patch(jobset(active=1), SPEC, {}, "t", 1, pods)
+    assert p["phase"] == "Pending" and p["conditions"][1]["reason"] == "Unschedulable", p

@@ -80,6 +80,7 @@ class PodState:
     running: bool  # every container runs
     done: bool  # succeeded
     cause: Cause | None = None
+    owner_uid: str | None = None  # its controller, a Job (see `owned_pods`)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,25 @@ def _container_cause(pod_name: str, spec: dict[str, Any], cs: dict[str, Any]) ->
     return Cause(reason, f"{text}: {detail}" if detail else text, 1)
 
 
+def controller_uid(obj: dict[str, Any], kind: str) -> str | None:
+    """The UID of `obj`'s controller (its ownerReference with controller: true) when that
+    is a `kind`."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == kind:
+            return ref.get("uid")
+    return None
+
+
+def owned_pods(
+    pods: Iterable[PodState], jobs: Iterable[tuple[str, str | None]], jobset_uid: str
+) -> list[PodState]:
+    """The pods whose owner chain leads to the JobSet: each pod's controller is a Job
+    (`jobs`: (Job UID, its controller's UID)) whose controller is the JobSet. A pod that
+    only carries a job's name label counts for nothing."""
+    mine = {uid for uid, owner in jobs if owner == jobset_uid}
+    return [p for p in pods if p.owner_uid is not None and p.owner_uid in mine]
+
+
 def pod_state(pod: dict[str, Any]) -> PodState:
     """The summary of one of a JobSet's pods that `phase_from` decides from."""
     meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
@@ -187,6 +207,7 @@ def pod_state(pod: dict[str, Any]) -> PodState:
                 )
     attempt = labels.get(RESTART_ATTEMPT_LABEL)
     return PodState(
+        owner_uid=controller_uid(pod, "Job"),
         name=name,
         replicated_job=labels.get(REPLICATED_JOB_LABEL, ""),
         job_index=int(labels.get(JOB_INDEX_LABEL) or 0),

@@ -107,7 +107,7 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
     jobset = Written.newest(Written.jobsets, key, jobset)
     observed = Observed(
         jobset=jobset,
-        pods=tuple(watches.pods(indexes, namespace, name)),
+        pods=tuple(watches.pods(indexes, namespace, name, jobset)),
         workload=watches.workload(indexes, namespace, jobset),
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
