@@ -333,6 +333,20 @@ def test_invalid_job_without_webhook_fails_cleanly(
     )
     assert "TOKEN" not in operator.logs()
     assert jobsets(apiserver, namespace) == []
+    # Without the webhook, a missing PriorityClass is the job's reason to wait: the Job
+    # controller creates no pod until it exists.
+    create_job(apiserver, namespace, "no-class", scheduling={"priorityClass": f"{namespace}-x"})
+
+    def waits_for_class() -> bool:
+        status = get_job(apiserver, namespace, "no-class").get("status") or {}
+        running = {c["type"]: c for c in status.get("conditions") or []}.get("Running", {})
+        return status.get("phase") == "Pending" and running.get("reason") == "PriorityClassNotFound"
+
+    wait_for(waits_for_class, timeout=30, describe=operator.logs)
+    assert (
+        f'"{namespace}-x" not found'
+        in get_job(apiserver, namespace, "no-class")["status"]["message"]
+    )
     create_job(apiserver, namespace, "fine")  # the operator is still working
     wait_for(lambda: phase(apiserver, namespace, "fine") == "Pending", timeout=30)
 

@@ -924,3 +924,18 @@ def test_only_pods_whose_owner_chain_leads_to_the_jobset_count():
     pods = owned_pods([waiting, *foreign], jobs, "js-uid")
     p = status_patch(jobset(active=1), SPEC, {}, "t", 1, pods)
     assert p["phase"] == "Pending" and p["conditions"][1]["reason"] == "Unschedulable", p
+
+
+def test_a_missing_priority_class_outside_kueue_keeps_the_job_pending_with_why():
+    from posttrain.controller.phase import missing_priority_class
+
+    js = classed(pc="urgent", queue=None)
+    js["spec"]["suspend"] = False
+    cause = missing_priority_class(js, {"low"})
+    p = status_patch(js, SPEC, {}, "t", 1, [], None, cause)
+    running = {c["type"]: c for c in p["conditions"]}["Running"]
+    assert p["phase"] == "Pending" and running["reason"] == "PriorityClassNotFound"
+    assert '"urgent" not found' in p["message"] and "spec.scheduling.priorityClass" in p["message"]
+    assert missing_priority_class(js, {"urgent"}) is None
+    assert missing_priority_class(js, None) is None  # not known
+    assert missing_priority_class(classed(pc="urgent"), {"low"}) is None  # Kueue's case

@@ -320,6 +320,28 @@ def without_workload(
     )
 
 
+def missing_priority_class(
+    jobset: dict[str, Any] | None, priority_classes: Collection[str] | None
+) -> Cause | None:
+    """Why a JobSet outside Kueue has no pods, when the PriorityClass its pods name does
+    not exist: the Job controller creates none (the API server refuses each, `no
+    PriorityClass with name X was found`) and says so only in the Job's Events. None
+    when nothing says so (`priority_classes`: the names that exist, None: not known)."""
+    if jobset is None or priority_classes is None:
+        return None
+    if (jobset.get("metadata", {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL):
+        return None  # Kueue's case: without_workload
+    name = _pod_priority_class(jobset)
+    if not name or name in priority_classes:
+        return None
+    return Cause(
+        "PriorityClassNotFound",
+        f'PriorityClass.scheduling.k8s.io "{name}" not found: the Job controller creates no '
+        "pods until it exists (spec.scheduling.priorityClass)",
+        1,
+    )
+
+
 def _leader(jobset: dict[str, Any]) -> tuple[str, int, int]:
     """The first replicated job's name, its pods per Job, and its Jobs."""
     first = (jobset.get("spec", {}).get("replicatedJobs") or [{}])[0]
@@ -381,8 +403,10 @@ def phase_from(
     user_suspended: bool,
     pods: Iterable[PodState] = (),
     workload: WorkloadState | None = None,
+    blocked: Cause | None = None,
 ) -> Observation:
-    """The phase that a JobSet, its pods and its Workload mean for the PostTrainJob."""
+    """The phase that a JobSet, its pods and its Workload mean for the PostTrainJob;
+    `blocked`: why no pod can be made (`missing_priority_class`)."""
     if jobset is None:
         return Observation(Phase.pending, "Creating", "creating the JobSet")
     status = jobset.get("status") or {}
@@ -445,7 +469,7 @@ def phase_from(
         count = f"{ready_jobs} of {leader_jobs} {leader} jobs ready"
     if leader_up >= leader_pods or ready_jobs >= leader_jobs:
         return Observation(Phase.running, "Running", count, restarts)
-    waiting = causes[0] if causes else None
+    waiting = causes[0] if causes else blocked
     if restarts:
         return Observation(
             Phase.restarting,
@@ -557,13 +581,15 @@ def status_patch(
     generation: int | None,
     pods: Iterable[PodState] = (),
     workload: WorkloadState | None = None,
+    blocked: Cause | None = None,
 ) -> dict[str, Any]:
     """The status fields the operator owns, given the JobSet (None before it exists), the
-    summaries of its pods and of its Kueue Workload (None without Kueue)."""
+    summaries of its pods and of its Kueue Workload (None without Kueue), and why no pod
+    can be made (`missing_priority_class`)."""
     previous = previous or {}
     pods = list(pods)
     user_suspended = bool(spec.get("scheduling", {}).get("suspend"))
-    obs = phase_from(jobset, user_suspended, pods, workload)
+    obs = phase_from(jobset, user_suspended, pods, workload, blocked)
     if previous.get("phase") in TERMINAL and obs.phase not in TERMINAL:
         # A finished job stays finished, even once ttlSecondsAfterFinished removed its JobSet.
         return {}

@@ -281,6 +281,11 @@ def workload(
     )
 
 
+def blocked(indexes: dict[str, Any], jobset_body: dict[str, Any] | None) -> phase.Cause | None:
+    """Why the JobSet's Jobs can make no pod, as far as the indexes know."""
+    return phase.missing_priority_class(jobset_body, _names(indexes, "priority_class_index"))
+
+
 class QueuePositions:
     """Positions of pending Workloads from Kueue's visibility API, one read per
     LocalQueue at most every `ttl` seconds however many of its jobs are decided; a
