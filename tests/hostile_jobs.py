@@ -78,6 +78,33 @@ def name_of_length(length: int) -> Mutation:
     return mutate
 
 
+def near_config_limit(margin: int) -> Mutation:
+    """GRPO rewards whose patterns bring the trainer config `margin` bytes under its limit
+    as read from a file (no namespace, no UID: a cluster adds both). Each emoji takes 12
+    bytes as JSON (\\ud83d\\ude00)."""
+
+    def size(doc: dict[str, Any]) -> int:
+        from posttrain.api.spec import PostTrainJob
+        from posttrain.render.trainer_config import CONFIG_ANNOTATION, config_text
+
+        job = PostTrainJob.model_validate(doc)
+        return len(CONFIG_ANNOTATION) + len(config_text(job).encode())
+
+    def mutate(doc: dict[str, Any]) -> None:
+        from posttrain.render.trainer_config import CONFIG_MAX_BYTES
+
+        emoji = "\U0001f600"
+        grpo(*[{"type": "regexFormat", "pattern": emoji * 1024} for _ in range(16)])(doc)
+        doc["spec"]["data"]["chatTemplate"] = "/t/" + emoji * 2000
+        doc["spec"]["output"]["uri"] = "/o"
+        short = CONFIG_MAX_BYTES - margin - size(doc)
+        doc["spec"]["output"]["uri"] = (
+            "/o/" + emoji * ((short - 1) // 12) + "a" * ((short - 1) % 12)
+        )
+
+    return mutate
+
+
 # Local model directories whose config.json is no model's config.
 MODELS = Path(__file__).resolve().parent / "hostile_models"
 PATHWAYS = {"enabled": True, "gcsScratchLocation": "gs://bucket/scratch"}
@@ -303,6 +330,22 @@ CASES: list[Hostile] = [
             put("spec.technique", "distill"),
             put("spec.distill", {"teacher": {"source": str(MODELS / "zero-heads")}}),
         ),
+    ),
+    # -- sizes and values as a cluster holds them ----------------------------------------
+    H("config-size-live-metadata", "spec.grpo.rewards", near_config_limit(20)),
+    H("config-size-live-ok", None, near_config_limit(200)),
+    H("memory-1e400", "spec.resources.memory", put("spec.resources", {"memory": "1e400"})),
+    H("cpu-beyond-int64", "spec.resources.cpu", put("spec.resources", {"cpu": "10E"})),
+    H("memory-exabytes-ok", None, put("spec.resources", {"memory": "7Ei"})),
+    H(
+        "machine-type-of-gpu",
+        "spec.resources.machineType",
+        tpu("v6e-8", machineType="a3-highgpu-8g"),
+    ),
+    H(
+        "machine-type-on-cpu",
+        "spec.resources.machineType",
+        put("spec.resources", {"machineType": "n2-standard-8"}),
     ),
     H("gs-upper-scheme-output", OUT, put(OUT, "GS://bucket/out")),
     H("gs-mixed-scheme-data", DATA, put(DATA, "Gs://bucket/data.jsonl")),

@@ -297,7 +297,7 @@ CASES: list[Case] = [
     Case(
         "too-many-gpus-per-node",
         _set("spec.resources", {"accelerator": "nvidia-l4", "gpusPerNode": 12}),
-        "spec.resources.accelerator",
+        "spec.resources.gpusPerNode",
         "at most 8 GPUs",
         server=False,
     ),

@@ -64,6 +64,7 @@ GcsLocation = Annotated[str, _checked(locations.location_error, (locations.GS,))
 ImageReference = Annotated[str, _checked(locations.image_error)]
 UserRegex = Annotated[str, _checked(patterns.regex_error)]
 Quantity = Annotated[str, _checked(kube_values.quantity_error)]
+CpuQuantity = Annotated[str, _checked(kube_values.cpu_error)]
 PriorityClassName = Annotated[str, _checked(kube_values.priority_class_error)]
 
 
@@ -545,7 +546,7 @@ class ResourcesSpec(KubeModel):
     gpus_per_node: int | None = Field(default=None, ge=1, le=16)
     """GPUs per node. Default: the most the GPU type offers in one node."""
 
-    cpu: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
+    cpu: CpuQuantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
     """CPU request of each trainer container, e.g. "8"."""
 
     memory: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)

@@ -174,7 +174,7 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
     spec = job.spec
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
     if too_large := size_error(job):
-        errors.append(FieldError("spec", too_large))
+        errors.append(FieldError(*too_large))
     errors += _model_config_errors(job)
     errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
@@ -190,8 +190,7 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
             res.accelerator, res.topology, res.gpus_per_node, res.machine_type
         )
     except catalog.CatalogError as e:
-        field = "spec.resources.topology" if res.topology and "topology" in str(e) else None
-        errors.append(FieldError(field or "spec.resources.accelerator", str(e)))
+        errors.append(FieldError(f"spec.resources.{e.field}", str(e)))
         return errors
     name = job.metadata.name
     if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
