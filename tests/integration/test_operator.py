@@ -248,6 +248,13 @@ def test_suspend_resume_and_mutable_fields(
     wait_for(lambda: jobsets(apiserver, namespace)[0]["spec"]["suspend"] is False, timeout=30)
     wait_for(lambda: phase(apiserver, namespace, "pausable") == "Pending", timeout=40)
     assert js["metadata"]["uid"] == jobsets(apiserver, namespace)[0]["metadata"]["uid"]
+    # JobSet's failurePolicy cannot change: neither can the job's maxRestarts.
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        apiserver.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "pausable",
+            {"spec": {"scheduling": {"maxRestarts": 7}}},
+        )  # fmt: skip
+    assert "spec.scheduling.maxRestarts" in refused.value.body, refused.value.body
 
 
 def test_jobset_deleted_out_of_band_is_recreated(

@@ -117,3 +117,8 @@ def test_status_is_read_as_the_operator_and_trainer_write_it():
     doc["status"] = {"phase": "Exploded"}
     _, errors = validate(doc)
     assert [e.field for e in errors] == ["status.phase"]
+
+
+def test_max_restarts_cannot_change_as_jobsets_failure_policy_cannot():
+    old, new = {"scheduling": {"maxRestarts": 3}}, {"scheduling": {"maxRestarts": 7}}
+    assert [e.field for e in immutable_changes(old, new)] == ["spec.scheduling.maxRestarts"]

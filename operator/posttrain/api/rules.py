@@ -233,8 +233,8 @@ def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
 
 
 # Fields of spec that cannot change once the job exists (a running job would silently
-# diverge from its spec). Everything else in scheduling may change: suspend, priority,
-# ttl.
+# diverge from its spec; JobSet's own failurePolicy, where maxRestarts goes, cannot
+# change either). Everything else in scheduling may change: suspend, priority, ttl.
 IMMUTABLE: list[str] = [
     "technique",
     "model",
@@ -252,6 +252,7 @@ IMMUTABLE: list[str] = [
     "hfTokenSecret",
     "scheduling.queue",
     "scheduling.priorityClass",
+    "scheduling.maxRestarts",
 ]
 
 
