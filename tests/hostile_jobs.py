@@ -670,6 +670,36 @@ CASES: list[Hostile] = [
         None,
         text=SPEC + "  training: {steps: 0755}\n",
     ),
+    # -- go-yaml v2's scalars, as kubectl sends them (measured with kubectl 1.36) ----------
+    H(
+        "yaml-y-is-true-ok",
+        None,
+        text=META + "  model: {source: /models/tiny}\n"
+        "  data: {source: /data/train.jsonl, packing: y}\n  output: {uri: /outputs/run}\n",
+    ),
+    H("yaml-n-is-false-ok", None, text=SPEC + "  scheduling: {suspend: n}\n"),
+    H("yaml-off-is-false-ok", None, text=SPEC + "  checkpoint: {async: off}\n"),
+    H("yaml-0o-octal-ok", None, text=SPEC + "  training: {steps: 0o10}\n"),
+    H("yaml-hex-ok", None, text=SPEC + "  training: {steps: 0x1F}\n"),
+    H("yaml-underscores-ok", None, text=SPEC + "  training: {steps: 1_000}\n"),
+    H("yaml-exponent-int-ok", None, text=SPEC + "  training: {steps: 1e3}\n"),
+    H("yaml-float-int-ok", None, text=SPEC + "  training: {batchSize: 8.0}\n"),
+    H("yaml-fraction-refused", BATCH, text=SPEC + "  training: {batchSize: 8.5}\n"),
+    H("yaml-exponent-overflow-string", STEPS, text=SPEC + "  training: {steps: 1e400}\n"),
+    H("yaml-null-optional-ok", None, text=SPEC + "  lora: null\n  training: {steps: null}\n"),
+    H("yaml-null-queue-ok", None, text=SPEC + "  scheduling: {queue: ~, suspend: false}\n"),
+    H("yaml-duplicate-last-wins-ok", None, text=SPEC + "  training: {steps: 0, steps: 10}\n"),
+    H("yaml-duplicate-last-wins", STEPS, text=SPEC + "  training: {steps: 10, steps: 0}\n"),
+    H(
+        "yaml-binary-image-ok",
+        None,
+        text=SPEC + "  image: !!binary dXMtZG9ja2VyLnBrZy5kZXYvcC9yL3RyYWluZXI6MQ==\n",
+    ),
+    H(
+        "yaml-binary-image-bad",
+        "spec.image",
+        text=SPEC + "  image: !!binary dHJhaW5lcjoxIC0tcHJpdmlsZWdlZA==\n",
+    ),
     H(
         "yaml-anchor-reuse-ok",
         None,

@@ -53,3 +53,14 @@ def test_a_bad_config_json_is_one_line_naming_the_file_and_key(model, key):
     (error,) = [e for e in errors if e.field == "spec.model.source"]
     assert f"{MODELS / model / 'config.json'}: " in error.message and key in error.message
     assert "\n" not in str(error)
+
+
+def test_bytes_that_are_not_utf8_are_refused_in_the_field_that_holds_them():
+    from hostile_jobs import SPEC
+
+    from posttrain.api.documents import parse_documents
+
+    text = SPEC.replace("NAME", "bytes").replace("/models/tiny", "/models/ti\xffny")
+    (doc,) = parse_documents(text.encode("utf-8").replace(b"\xc3\xbf", b"\xff"))
+    _, errors = validate(doc)
+    assert [e.field for e in errors] == ["spec.model.source"] and "not UTF-8" in str(errors[0])

@@ -43,8 +43,11 @@ CREDENTIALS_HINT = "put tokens in a Secret and name it in spec.hfTokenSecret"
 
 
 def unsafe_character(text: str) -> str | None:
-    """The first control, whitespace or format (bidi, zero-width) character, escaped."""
+    """The first control, whitespace or format (bidi, zero-width) character, or U+FFFD
+    (what a byte that is not UTF-8 becomes), escaped."""
     for ch in text:
+        if ch == "\ufffd":
+            return "\\ufffd (a byte that is not UTF-8)"
         if ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
             return ch.encode("unicode_escape").decode() if ch != " " else "a space"
     return None

@@ -243,6 +243,16 @@ def _as_json(doc: Any) -> str | None:
         return None
 
 
+def _pruned(value: Any) -> Any:
+    """`value` without null values in its mappings: the API server prunes a null where
+    the schema does not allow one, so `lora: null` or `steps: null` is no value."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
 def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
     """Parse and check a PostTrainJob document. Returns the job (when it parsed) and
     every error found; an empty list means the job is valid."""
@@ -255,7 +265,9 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
         errors.append(FieldError("kind", f"must be {KIND}"))
     # What users write is read as strictly as the API server reads it; status is written
     # by the operator and the trainer.
-    body = _as_json({k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "status")})
+    body = _as_json(
+        {k: _pruned(v) for k, v in doc.items() if k not in ("apiVersion", "kind", "status")}
+    )
     if body is None:
         return None, errors + [FieldError("(document)", "holds values JSON cannot carry")]
     try:
@@ -292,7 +304,7 @@ def load_documents(path: str | Path) -> list[Any]:
     try:
         return read_documents(path)
     except DocumentError as e:
-        raise InvalidJob([FieldError("(yaml)", str(e))], str(path)) from e
+        raise InvalidJob([FieldError(e.field, str(e))], str(path)) from e
 
 
 def _override(doc: Any, overrides: dict[str, Any]) -> None:
