@@ -11,13 +11,14 @@ how the batch splits over hosts, and whether the job fits in accelerator memory.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from posttrain import capacity, catalog
 from posttrain.api import batching, kube_values, lora_modules, model_shapes, rules
@@ -65,11 +66,53 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     return path
 
 
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose fields hold the last part of `loc` (list indexes skipped)."""
+    model: type[BaseModel] = PostTrainJob
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = next(
+            (f for name, f in model.model_fields.items() if (f.alias or name) == part), None
+        )
+        if field is None:
+            return None
+        found = _inner_model(field.annotation)
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _inner_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (found := _inner_model(arg)) is not None:
+            return found
+    return None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """` (did you mean X?)` for an unknown field close to a known one (camelCase for
+    snake_case, another case, a typo); empty when none is."""
+    model = _model_at(loc)
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    known = [f.alias or name for name, f in model.model_fields.items()]
+    squash = {k.lower().replace("_", ""): k for k in known}
+    wrong = loc[-1]
+    match = squash.get(wrong.lower().replace("_", "")) or next(
+        iter(difflib.get_close_matches(wrong, known, n=1, cutoff=0.75)), None
+    )
+    return f" (did you mean {match}?)" if match else ""
+
+
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     out = []
     for e in err.errors():
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _did_you_mean(tuple(e["loc"]))
         else:
             msg = e["msg"].removeprefix("Value error, ")
         out.append(FieldError(_loc_to_path(e["loc"]), msg))
