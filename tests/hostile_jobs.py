@@ -288,6 +288,10 @@ CASES: list[Hostile] = [
     H("reward-invalid", PATTERN, regex_reward("<answer>(")),
     H("reward-huge-repeat", PATTERN, regex_reward("a{99999999999}")),
     H("reward-ok", None, regex_reward(r"<answer>\s*-?[0-9]+\s*</answer>")),
+    H("reward-adjacent-groups", PATTERN, regex_reward("(.*)(.*)(.*)(.*)(.*)X")),
+    H("reward-adjacent-words", PATTERN, regex_reward(r"\w+\w+\w+!")),
+    H("reward-three-wildcards", PATTERN, regex_reward(".*a.*a.*aX")),
+    H("reward-think-answer-ok", None, regex_reward(r"^<think>.*</think>\s*<answer>.*</answer>$")),
     H(
         "lora-unknown-module",
         TARGETS,

@@ -108,6 +108,11 @@ def test_large_documents_are_parsed_by_libyaml():
         ("(x*y?)*z", "quantifier inside a repeated group"),
         ("a{1001}", "more than 1000"),
         ("q_proj(", "not a valid regular expression"),
+        ("(.*)(.*)(.*)(.*)(.*)X", "one after another"),  # 39 s on 80 characters
+        (r"\w+\w+X", "one after another"),
+        (r".*\s*X", "one after another"),
+        (".{0,500}.{0,500}x", "one after another"),
+        (".*a.*a.*aX", "3 long repeats over (almost) any character"),
     ],
 )
 def test_dangerous_regexes_refused(pattern, problem):
@@ -119,7 +124,8 @@ def test_dangerous_regexes_refused(pattern, problem):
 @pytest.mark.parametrize(
     "pattern",
     ["q_proj", r"(.*/)?(q_proj|v_proj)", r"layers/\d+/attn/q_proj", r"<answer>\s*\d+</answer>",
-     r"(ab{2})+", "a{2,1000}"],
+     r"(ab{2})+", "a{2,1000}", r"^<think>.*</think>\s*<answer>.*</answer>$", r"\S+\s+\S+",
+     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>"],
 )  # fmt: skip
 def test_ordinary_regexes_accepted(pattern):
     assert patterns.regex_error(pattern) is None
