@@ -112,8 +112,10 @@ def running_pod(
         meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{job}-node-0",
                                     "uid": job_uid, "controller": True}]  # fmt: skip
     apiserver.core.create_namespaced_pod(
-        namespace, {"metadata": meta, "spec": {"containers": [{"name": "trainer", "image": "t"}]}}
-    )
+        namespace,
+        {"metadata": meta, "spec": {"serviceAccountName": TRAINER,
+                                    "containers": [{"name": "trainer", "image": "t"}]}},
+    )  # fmt: skip
     started = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
     status = {"phase": "Running", "containerStatuses": [
         {"name": "trainer", "ready": True, "restartCount": 0, "image": "t", "imageID": "",
