@@ -15,7 +15,7 @@ import pytest
 from hostile_jobs import CASES, Hostile
 from operator_process import OperatorProcess, free_port
 
-from posttrain.api.validate import printable, validate
+from posttrain.checks import printable, validate
 from posttrain.controller.webhook import CONFIGURATION_NAME
 from tests.cluster import Cluster, self_signed, unique_name, wait_for
 

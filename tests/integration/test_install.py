@@ -439,7 +439,7 @@ def test_can_i_matrix_is_meaningful(apiserver: Cluster, release: Release) -> Non
 
 
 def _render_for(job: dict[str, Any]) -> list[dict[str, Any]]:
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
     from posttrain.render import render
 
     parsed, errors = validate(job)

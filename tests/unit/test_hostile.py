@@ -4,7 +4,7 @@ named, every edge-case valid job accepted, nothing raised."""
 import pytest
 from hostile_jobs import CASES
 
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.render import render
 
 

@@ -885,7 +885,7 @@ def test_a_refused_output_uri_never_reaches_the_status(uri):
 
     from invalid_jobs import valid_job
 
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
     from posttrain.controller.phase import Observation, observation_patch
 
     doc = valid_job("leaky")

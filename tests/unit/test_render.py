@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.api.validate import load_job
+from posttrain.checks import load_job
 from posttrain.render import RenderConfig, render
 from posttrain.yaml_out import dump_yaml
 
@@ -355,7 +355,7 @@ def test_config_too_large_for_an_annotation_is_refused_naming_the_limit(monkeypa
     """The check guards the boundary (tried here with a lower limit) as the job will be in
     a cluster, with the namespace and UID it carries there (at most 63 and 36 characters),
     refusing with the sizes and naming the largest field."""
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
     from posttrain.render import trainer_config
 
     doc = yaml.safe_load((GOLDEN / "jobs" / "cpu.yaml").read_text())

@@ -3,7 +3,7 @@
 import pytest
 from invalid_jobs import CASES, valid_job
 
-from posttrain.api.validate import FieldError, immutable_changes, validate
+from posttrain.checks import FieldError, immutable_changes, validate
 
 
 def test_valid_job_has_no_errors():
@@ -143,7 +143,7 @@ def test_an_unknown_field_says_which_it_may_mean(path, wrong, right):
 
 
 def test_a_yaml_error_names_the_file_line_and_column(tmp_path):
-    from posttrain.api.validate import InvalidJob, load_job
+    from posttrain.checks import InvalidJob, load_job
 
     path = tmp_path / "job.yaml"
     path.write_text("spec:\n  training: {steps: 10\n  x: 1\n")

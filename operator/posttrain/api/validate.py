@@ -1,12 +1,13 @@
-"""Validate a PostTrainJob document and report every error with its field path.
+"""Read a PostTrainJob document as the API server reads it, and report every error with
+its field path.
 
-`validate(doc)` is what `posttrain validate`, `posttrain run`, the trainer and the
-admission webhook call, so they accept and refuse the same documents as the API server
-with the webhook on. It combines the schema (pydantic, read as strictly as the CRD: no
-coercion of quoted numbers or booleans, camelCase names only, finite numbers), the
-cross-field rules (also in the CRD as CEL), and the checks CEL cannot express: the
-accelerator catalog, derived name lengths, locations, user regexes, LoRA module names,
-how the batch splits over hosts, and whether the job fits in accelerator memory.
+`parse(doc)` is the schema (pydantic, read as strictly as the CRD: no coercion of
+quoted numbers or booleans, camelCase names only, finite numbers, nulls pruned), the
+cross-field rules (also in the CRD as CEL) and the checks that need nothing but the API
+(locations, user regexes, LoRA module names, a local model's config.json, columns).
+What needs the accelerator catalog, the renderer's derived names or the memory estimate
+is one floor up, in `posttrain.checks`, whose `validate(doc)` is what `posttrain
+validate`, `posttrain run`, the trainer, the admission webhook and the operator call.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain import capacity, catalog
-from posttrain.api import batching, kube_values, lora_modules, model_shapes, rules
+from posttrain.api import kube_values, lora_modules, model_shapes, rules
 from posttrain.api.documents import DocumentError, read_documents
 from posttrain.api.locations import mount_path_error
 from posttrain.api.spec import API_VERSION, KIND, PostTrainJob, PostTrainJobStatus
@@ -119,16 +119,6 @@ def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     return out
 
 
-def _hosts_and_devices(job: PostTrainJob, placement: catalog.Placement) -> tuple[int, int]:
-    res = job.spec.resources
-    if res.pathways.enabled:  # one Pathways client process drives every device
-        return 1, 1
-    if placement.is_tpu:
-        hosts = placement.hosts * res.slices
-        return hosts, hosts * placement.devices_per_host
-    return res.nodes, res.nodes * max(placement.devices_per_host, 1)
-
-
 def _columns_errors(job: PostTrainJob) -> list[FieldError]:
     """A column may play one role only (chosen and rejected from one column is no
     preference, prompt and completion from one column trains nothing)."""
@@ -208,75 +198,6 @@ def _images_errors(job: PostTrainJob) -> list[FieldError]:
     return []
 
 
-def semantic_errors(job: PostTrainJob) -> list[FieldError]:
-    """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
-    columns, LoRA, mounts, the batch split and the memory estimate."""
-    from posttrain.render.names import NameTooLong, check_name_lengths
-    from posttrain.render.trainer_config import size_error
-
-    spec = job.spec
-    errors = [FieldError(field, message) for field, message in rules.errors(spec)]
-    if too_large := size_error(job):
-        errors.append(FieldError(*too_large))
-    errors += _model_config_errors(job)
-    errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
-    if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
-        errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
-    res = spec.resources
-    if re.search(r"-0[0-9]", res.accelerator):
-        errors.append(
-            FieldError("spec.resources.accelerator", f"{res.accelerator!r}: no leading zeros")
-        )
-        return errors
-    try:
-        placement = catalog.resolve(
-            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
-        )
-    except catalog.CatalogError as e:
-        errors.append(FieldError(f"spec.resources.{e.field}", str(e)))
-        return errors
-    name = job.metadata.name
-    if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
-        errors.append(
-            FieldError(
-                "metadata.name",
-                f"{name!r} must be a DNS label: at most 63 lowercase letters, "
-                "digits and '-', starting with a letter (it names the JobSet and its Service)",
-            )
-        )
-    else:
-        try:
-            check_name_lengths(name, spec, placement)
-        except NameTooLong as e:
-            errors.append(FieldError("metadata.name", str(e)))
-    hosts, devices = _hosts_and_devices(job, placement)
-    generations = spec.grpo.num_generations if spec.grpo else 1
-    if problem := batching.batch_split_error(
-        spec.training.batch_size, spec.training.gradient_accumulation, hosts, devices, generations
-    ):
-        errors.append(FieldError("spec.training.batchSize", problem))
-    estimate = capacity.estimate(spec, placement)
-    if estimate is not None and not estimate.fits:
-        errors.append(
-            FieldError("spec.resources.accelerator", capacity.refusal(spec, placement, estimate))
-        )
-    return errors
-
-
-def warnings(job: PostTrainJob) -> list[str]:
-    """What admission warns about a valid job: a memory estimate within its uncertainty,
-    or no memory check for want of a known architecture (posttrain.capacity)."""
-    res = job.spec.resources
-    try:
-        placement = catalog.resolve(
-            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
-        )
-    except catalog.CatalogError:
-        return []
-    found = capacity.warning(job.spec, placement)
-    return [printable(found)] if found else []
-
-
 def _as_json(doc: Any) -> str | None:
     """The document as the JSON kubectl would send (None when YAML-only values, such as
     binary data or sets, have no JSON form)."""
@@ -296,9 +217,32 @@ def _pruned(value: Any) -> Any:
     return value
 
 
-def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
-    """Parse and check a PostTrainJob document. Returns the job (when it parsed) and
-    every error found; an empty list means the job is valid."""
+def spec_errors(job: PostTrainJob) -> list[FieldError]:
+    """The checks beyond the schema that need nothing but the API: cross-field rules,
+    a local model's config.json, columns, LoRA, images, the volume's mount path and the
+    name as a DNS label."""
+    spec = job.spec
+    errors = [FieldError(field, message) for field, message in rules.errors(spec)]
+    errors += _model_config_errors(job)
+    errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
+    if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
+        errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
+    name = job.metadata.name
+    if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
+        errors.append(
+            FieldError(
+                "metadata.name",
+                f"{name!r} must be a DNS label: at most 63 lowercase letters, "
+                "digits and '-', starting with a letter (it names the JobSet and its Service)",
+            )
+        )
+    return errors
+
+
+def parse(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
+    """Parse a PostTrainJob document as the API server reads it, with `spec_errors`.
+    Returns the job (when it parsed) and every error found. The checks that need the
+    catalog, the renderer or the memory estimate are `posttrain.checks.validate`'s."""
     if not isinstance(doc, dict):
         return None, [FieldError("(document)", "expected a PostTrainJob mapping")]
     errors: list[FieldError] = []
@@ -324,7 +268,7 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
             return None, errors + [
                 FieldError(f"status.{x.field}", x.message) for x in _pydantic_errors(e)
             ]
-    return job, errors + semantic_errors(job)
+    return job, errors + spec_errors(job)
 
 
 def immutable_changes(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list[FieldError]:
@@ -350,7 +294,7 @@ def load_documents(path: str | Path) -> list[Any]:
         raise InvalidJob([FieldError(e.field, str(e))], str(path)) from e
 
 
-def _override(doc: Any, overrides: dict[str, Any]) -> None:
+def override(doc: Any, overrides: dict[str, Any]) -> None:
     """Set dotted spec paths (spec.training.steps) in a document before it is validated."""
     for path, value in overrides.items():
         node = doc
@@ -360,31 +304,3 @@ def _override(doc: Any, overrides: dict[str, Any]) -> None:
                 node[part] = {}
             node = node[part]
         node[leaf] = value
-
-
-def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> PostTrainJob:
-    """Read one PostTrainJob from a YAML file, with `overrides` (dotted paths, e.g. from
-    command-line flags) applied before it is validated; raise InvalidJob naming every
-    bad field."""
-    docs = load_documents(path)
-    if bad := [i for i, d in enumerate(docs, 1) if not isinstance(d, dict)]:
-        raise InvalidJob(
-            [
-                FieldError(f"(document {i})", "expected a mapping (a Kubernetes object)")
-                for i in bad
-            ],
-            str(path),
-        )
-    jobs = [d for d in docs if d.get("kind") == KIND] or docs
-    if len(jobs) != 1:
-        raise InvalidJob(
-            [FieldError("(document)", f"expected one PostTrainJob, found {len(jobs)}")],
-            str(path),
-        )
-    if overrides and isinstance(jobs[0], dict):
-        _override(jobs[0], overrides)
-    job, errors = validate(jobs[0])
-    if errors:
-        raise InvalidJob(errors, str(path))
-    assert job is not None
-    return job

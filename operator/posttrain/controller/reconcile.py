@@ -24,7 +24,7 @@ from typing import Any
 import kopf
 
 from posttrain.api.spec import Phase
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.controller import kube, metrics, trainer_access, watches
 from posttrain.controller.actions import (
     Actions,

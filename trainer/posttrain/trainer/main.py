@@ -14,7 +14,7 @@ import logging
 import sys
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
-from posttrain.api.validate import InvalidJob, load_job
+from posttrain.checks import InvalidJob, load_job
 
 STOPPED_EXIT_CODE = 143
 log = logging.getLogger("posttrain.trainer")
