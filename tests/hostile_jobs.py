@@ -79,9 +79,9 @@ def name_of_length(length: int) -> Mutation:
 
 
 def near_config_limit(margin: int) -> Mutation:
-    """GRPO rewards whose patterns bring the trainer config `margin` bytes under its limit
-    as read from a file (no namespace, no UID: a cluster adds both). Each emoji takes 12
-    bytes as JSON (\\ud83d\\ude00)."""
+    """Reward patterns, a chat template and an output URI of emoji (12 bytes each as
+    JSON, \\ud83d\\ude00) that bring the trainer config `margin` bytes under its limit
+    as read from a file, with no namespace and no UID (a cluster adds both)."""
 
     def size(doc: dict[str, Any]) -> int:
         from posttrain.api.spec import PostTrainJob
