@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
-from posttrain.api.validate import validate  # noqa: E402
+from posttrain.checks import validate  # noqa: E402
 from posttrain.trainer import data, grpo, models, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.policy import load_policy, shard_like_params  # noqa: E402

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from tb_events import scalars  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
-from posttrain.api.validate import validate  # noqa: E402
+from posttrain.checks import validate  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.loop import train  # noqa: E402
 

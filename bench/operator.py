@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from invalid_jobs import valid_job  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402
 
-from posttrain.api.validate import validate  # noqa: E402
+from posttrain.checks import validate  # noqa: E402
 from posttrain.render import render  # noqa: E402
 from tests import cluster as local  # noqa: E402
 

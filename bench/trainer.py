@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
-from posttrain.api.validate import validate  # noqa: E402
+from posttrain.checks import validate  # noqa: E402
 from posttrain.trainer import data, lora, models, sft  # noqa: E402
 from posttrain.trainer.policy import DTYPES, shard_like_params  # noqa: E402
 

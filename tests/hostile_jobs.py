@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from invalid_jobs import _all as both
@@ -66,6 +67,47 @@ def tpu(accelerator: str, **resources: Any) -> Mutation:
     return put("spec.resources", {"accelerator": accelerator, **resources})
 
 
+def name_of_length(length: int) -> Mutation:
+    """metadata.name padded to `length`, keeping its unique tail (the integration tier
+    creates every case under its own name)."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        tail = doc["metadata"]["name"][-6:]
+        doc["metadata"]["name"] = ("n" + "x" * length)[: length - len(tail)] + tail
+
+    return mutate
+
+
+def near_config_limit(margin: int) -> Mutation:
+    """Reward patterns, a chat template and an output URI of emoji (12 bytes each as
+    JSON, \\ud83d\\ude00) that bring the trainer config `margin` bytes under its limit
+    as read from a file, with no namespace and no UID (a cluster adds both)."""
+
+    def size(doc: dict[str, Any]) -> int:
+        from posttrain.api.spec import PostTrainJob
+        from posttrain.render.trainer_config import CONFIG_ANNOTATION, config_text
+
+        job = PostTrainJob.model_validate(doc)
+        return len(CONFIG_ANNOTATION) + len(config_text(job).encode())
+
+    def mutate(doc: dict[str, Any]) -> None:
+        from posttrain.render.trainer_config import CONFIG_MAX_BYTES
+
+        emoji = "\U0001f600"
+        grpo(*[{"type": "regexFormat", "pattern": emoji * 1024} for _ in range(16)])(doc)
+        doc["spec"]["data"]["chatTemplate"] = "/t/" + emoji * 2000
+        doc["spec"]["output"]["uri"] = "/o"
+        short = CONFIG_MAX_BYTES - margin - size(doc)
+        doc["spec"]["output"]["uri"] = (
+            "/o/" + emoji * ((short - 1) // 12) + "a" * ((short - 1) % 12)
+        )
+
+    return mutate
+
+
+# Local model directories whose config.json is no model's config.
+MODELS = Path(__file__).resolve().parent / "hostile_models"
+PATHWAYS = {"enabled": True, "gcsScratchLocation": "gs://bucket/scratch"}
 H = Hostile
 MODEL, DATA, OUT = "spec.model.source", "spec.data.source", "spec.output.uri"
 BATCH, STEPS = "spec.training.batchSize", "spec.training.steps"
@@ -216,6 +258,17 @@ CASES: list[Hostile] = [
     H("name-64-chars", "metadata.name", put("metadata.name", "a" * 64)),
     H("name-unicode", "metadata.name", put("metadata.name", "jöb")),
     H("name-ends-with-dash", "metadata.name", put("metadata.name", "job-")),
+    # JobSet's coordinator label `<name>-<replicatedJob>-0-0.<name>` fits 63 characters
+    H("name-26-node-ok", None, name_of_length(26)),
+    H("name-27-node", "metadata.name", name_of_length(27)),
+    H("name-26-slice-ok", None, both(tpu("v6e-8"), name_of_length(26))),
+    H("name-27-slice", "metadata.name", both(tpu("v6e-8"), name_of_length(27))),
+    H("name-22-pathways-ok", None, both(tpu("v6e-16", pathways=PATHWAYS), name_of_length(22))),
+    H(
+        "name-23-pathways",
+        "metadata.name",
+        both(tpu("v6e-16", pathways=PATHWAYS), name_of_length(23)),
+    ),
     # -- user regexes: compiled, and bounded (nested quantifiers, repeat counts) --------
     H("regex-huge-repeat", TARGETS, lora(targetModules="a{4294967296}")),
     H("regex-thousand-groups", TARGETS, lora(targetModules="(" * 1000)),
@@ -235,6 +288,10 @@ CASES: list[Hostile] = [
     H("reward-invalid", PATTERN, regex_reward("<answer>(")),
     H("reward-huge-repeat", PATTERN, regex_reward("a{99999999999}")),
     H("reward-ok", None, regex_reward(r"<answer>\s*-?[0-9]+\s*</answer>")),
+    H("reward-adjacent-groups", PATTERN, regex_reward("(.*)(.*)(.*)(.*)(.*)X")),
+    H("reward-adjacent-words", PATTERN, regex_reward(r"\w+\w+\w+!")),
+    H("reward-three-wildcards", PATTERN, regex_reward(".*a.*a.*aX")),
+    H("reward-think-answer-ok", None, regex_reward(r"^<think>.*</think>\s*<answer>.*</answer>$")),
     H(
         "lora-unknown-module",
         TARGETS,
@@ -265,6 +322,38 @@ CASES: list[Hostile] = [
     H("gs-port", OUT, put(OUT, "gs://bucket:443/out")),
     H("gs-fragment", OUT, put(OUT, "gs://bucket/out#frag")),
     H("gs-traversal", OUT, put(OUT, "gs://bucket/a/../../b")),
+    H("config-zero-heads", MODEL, put(MODEL, str(MODELS / "zero-heads"))),
+    H("config-hidden-overflow", MODEL, put(MODEL, str(MODELS / "hidden-overflow"))),
+    H("config-list", MODEL, put(MODEL, str(MODELS / "list"))),
+    H("config-not-json", MODEL, put(MODEL, str(MODELS / "not-json"))),
+    H("config-vision-list", MODEL, put(MODEL, str(MODELS / "vision-list"))),
+    H(
+        "config-teacher-zero-heads",
+        "spec.distill.teacher.source",
+        both(
+            put("spec.technique", "distill"),
+            put("spec.distill", {"teacher": {"source": str(MODELS / "zero-heads")}}),
+        ),
+    ),
+    # -- sizes and values as a cluster holds them ----------------------------------------
+    H("config-size-live-metadata", "spec.grpo.rewards", near_config_limit(20)),
+    H("config-size-live-ok", None, near_config_limit(200)),
+    H("memory-1e400", "spec.resources.memory", put("spec.resources", {"memory": "1e400"})),
+    H("cpu-beyond-int64", "spec.resources.cpu", put("spec.resources", {"cpu": "10E"})),
+    H("memory-exabytes-ok", None, put("spec.resources", {"memory": "7Ei"})),
+    H(
+        "machine-type-of-gpu",
+        "spec.resources.machineType",
+        tpu("v6e-8", machineType="a3-highgpu-8g"),
+    ),
+    H(
+        "machine-type-on-cpu",
+        "spec.resources.machineType",
+        put("spec.resources", {"machineType": "n2-standard-8"}),
+    ),
+    H("gs-upper-scheme-output", OUT, put(OUT, "GS://bucket/out")),
+    H("gs-mixed-scheme-data", DATA, put(DATA, "Gs://bucket/data.jsonl")),
+    H("hf-upper-scheme-model", MODEL, put(MODEL, "HF://org/name")),
     H("gs-ok", None, put(OUT, "gs://my-runs/qwen3/run-1")),
     H(
         "data-traversal",
@@ -359,6 +448,29 @@ CASES: list[Hostile] = [
             },
         ),
     ),  # fmt: skip
+    # -- what the API server refuses in the Jobs' pods, after the JobSet was made ---------
+    H(
+        "secret-key-dotdot",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": ".."}),
+    ),
+    H(
+        "secret-key-dot",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": "."}),
+    ),
+    H(
+        "secret-key-leading-dots",
+        "spec.hfTokenSecret.key",
+        put("spec.hfTokenSecret", {"name": "hf", "key": "..x"}),
+    ),
+    H("secret-key-dotfile-ok", None, put("spec.hfTokenSecret", {"name": "hf", "key": ".token"})),
+    H(
+        "head-node-pool-dash",
+        "spec.resources.pathways.headNodePool",
+        tpu("v6e-16", pathways={**PATHWAYS, "headNodePool": "-cpu-"}),
+    ),
+    H("head-node-pool-ok", None, tpu("v6e-16", pathways={**PATHWAYS, "headNodePool": "cpu-1"})),
     H("image-with-scheme", "spec.image", put("spec.image", "https://ghcr.io/x/trainer:1")),
     H("image-with-space", "spec.image", put("spec.image", "trainer:1 --privileged")),
     H("image-newline", "spec.image", put("spec.image", "trainer:1\nrm")),
@@ -561,6 +673,36 @@ CASES: list[Hostile] = [
         "yaml-octal-ok",
         None,
         text=SPEC + "  training: {steps: 0755}\n",
+    ),
+    # -- go-yaml v2's scalars, as kubectl sends them (measured with kubectl 1.36) ----------
+    H(
+        "yaml-y-is-true-ok",
+        None,
+        text=META + "  model: {source: /models/tiny}\n"
+        "  data: {source: /data/train.jsonl, packing: y}\n  output: {uri: /outputs/run}\n",
+    ),
+    H("yaml-n-is-false-ok", None, text=SPEC + "  scheduling: {suspend: n}\n"),
+    H("yaml-off-is-false-ok", None, text=SPEC + "  checkpoint: {async: off}\n"),
+    H("yaml-0o-octal-ok", None, text=SPEC + "  training: {steps: 0o10}\n"),
+    H("yaml-hex-ok", None, text=SPEC + "  training: {steps: 0x1F}\n"),
+    H("yaml-underscores-ok", None, text=SPEC + "  training: {steps: 1_000}\n"),
+    H("yaml-exponent-int-ok", None, text=SPEC + "  training: {steps: 1e3}\n"),
+    H("yaml-float-int-ok", None, text=SPEC + "  training: {batchSize: 8.0}\n"),
+    H("yaml-fraction-refused", BATCH, text=SPEC + "  training: {batchSize: 8.5}\n"),
+    H("yaml-exponent-overflow-string", STEPS, text=SPEC + "  training: {steps: 1e400}\n"),
+    H("yaml-null-optional-ok", None, text=SPEC + "  lora: null\n  training: {steps: null}\n"),
+    H("yaml-null-queue-ok", None, text=SPEC + "  scheduling: {queue: ~, suspend: false}\n"),
+    H("yaml-duplicate-last-wins-ok", None, text=SPEC + "  training: {steps: 0, steps: 10}\n"),
+    H("yaml-duplicate-last-wins", STEPS, text=SPEC + "  training: {steps: 10, steps: 0}\n"),
+    H(
+        "yaml-binary-image-ok",
+        None,
+        text=SPEC + "  image: !!binary dXMtZG9ja2VyLnBrZy5kZXYvcC9yL3RyYWluZXI6MQ==\n",
+    ),
+    H(
+        "yaml-binary-image-bad",
+        "spec.image",
+        text=SPEC + "  image: !!binary dHJhaW5lcjoxIC0tcHJpdmlsZWdlZA==\n",
     ),
     H(
         "yaml-anchor-reuse-ok",

@@ -383,7 +383,7 @@ CASES: list[Case] = [
     Case(
         "too-many-gpus-per-node",
         _set("spec.resources", {"accelerator": "nvidia-l4", "gpusPerNode": 12}),
-        "spec.resources.accelerator",
+        "spec.resources.gpusPerNode",
         "at most 8 GPUs",
         server=False,
     ),
@@ -398,8 +398,7 @@ CASES: list[Case] = [
             ),
         ),
         "metadata.name",
-        "at most 39 characters",
-        server=False,
+        "at most 22 characters",
     ),
     Case(
         "images-with-dpo",

@@ -29,7 +29,12 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
 
 class CatalogError(ValueError):
-    """An accelerator request that does not exist; the message lists valid choices."""
+    """An accelerator request that does not exist; the message lists valid choices and
+    `field` names the setting of spec.resources at fault."""
+
+    def __init__(self, message: str, field: str = "accelerator"):
+        super().__init__(message)
+        self.field = field
 
 
 _SUB_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
@@ -237,14 +242,18 @@ def _tpu_machine(
     if machine_type not in by_name:
         raise CatalogError(
             f"machine type {machine_type!r} does not exist for {gen.name}; valid: "
-            f"{', '.join(by_name)}"
+            f"{', '.join(by_name)}",
+            "machineType",
         )
     machine = by_name[machine_type]
     if topology not in machine.topologies:
         offered = [t for t in machine.topologies if _chips(t) == chips]
         raise CatalogError(
             f"{machine_type} hosts do not form {accelerator} slices of topology {topology}; "
-            + (f"valid topologies: {', '.join(offered)}" if offered else "use another machine type")
+            + (
+                f"valid topologies: {', '.join(offered)}" if offered else "use another machine type"
+            ),
+            "machineType",
         )
     return machine
 
@@ -275,12 +284,14 @@ def resolve_tpu(
     elif topology not in gen.topologies:
         raise CatalogError(
             f"topology {topology!r} does not exist for {gen.name}; valid: "
-            f"{_short_list(list(gen.topologies))}"
+            f"{_short_list(list(gen.topologies))}",
+            "topology",
         )
     elif _chips(topology) != chips:
         raise CatalogError(
             f"topology {topology!r} has {_chips(topology)} chips but {accelerator!r} has "
-            f"{chips}; valid for {accelerator}: {', '.join(shapes)}"
+            f"{chips}; valid for {accelerator}: {', '.join(shapes)}",
+            "topology",
         )
     machine = _tpu_machine(gen, accelerator, chips, topology, machine_type)
     chips_per_host = min(machine.chips, chips)
@@ -313,9 +324,13 @@ def resolve(
     """Resolve spec.resources into a Placement, or raise CatalogError naming valid choices."""
     if accelerator == "cpu" or accelerator in GPU_TYPES:
         if topology:
-            raise CatalogError(f"topology applies to TPU slices only, not {accelerator}")
+            raise CatalogError(
+                f"topology applies to TPU slices only, not {accelerator}", "topology"
+            )
         if machine_type:
-            raise CatalogError(f"machineType applies to TPU slices only, not {accelerator}")
+            raise CatalogError(
+                f"machineType applies to TPU slices only, not {accelerator}", "machineType"
+            )
     if accelerator == "cpu":
         return Placement("cpu", "cpu", 1, 0, {}, None)
     if accelerator in GPU_TYPES:
@@ -323,7 +338,8 @@ def resolve(
         count = gpus_per_node or gpu.max_per_node
         if count > gpu.max_per_node:
             raise CatalogError(
-                f"{accelerator} nodes have at most {gpu.max_per_node} GPUs; got {count}"
+                f"{accelerator} nodes have at most {gpu.max_per_node} GPUs; got {count}",
+                "gpusPerNode",
             )
         return Placement(
             kind="gpu",
@@ -336,5 +352,7 @@ def resolve(
             bf16_tflops_per_device=gpu.bf16_tflops,
         )
     if gpus_per_node is not None:
-        raise CatalogError(f"gpusPerNode applies to GPU types only, not {accelerator!r}")
+        raise CatalogError(
+            f"gpusPerNode applies to GPU types only, not {accelerator!r}", "gpusPerNode"
+        )
     return resolve_tpu(accelerator, topology, machine_type)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.api.validate import InvalidJob, load_job, printable, warnings
+from posttrain.checks import InvalidJob, load_job, printable, warnings
 from posttrain.controller.options import add_arguments as add_operator_arguments
 from posttrain.yaml_out import dump_yaml
 
@@ -100,7 +100,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     """The memory a job needs per device, term by term, and what would make it fit."""
     from posttrain import capacity, catalog
-    from posttrain.api.validate import load_documents, validate
+    from posttrain.checks import load_documents, validate
 
     try:
         docs = load_documents(args.file)

@@ -345,7 +345,7 @@ def test_suspend_while_queued_then_resume(cluster: Cluster, namespace: str, oper
 def test_missing_priority_class_says_so(cluster: Cluster, namespace: str, operator):
     """Kueue makes no Workload (and no Event) for a JobSet whose WorkloadPriorityClass
     does not exist; the job says which class, in Kueue's words (here no admission webhook
-    refuses the job first)."""
+    refuses the job first). Outside Kueue, a missing PriorityClass is said the same way."""
     queue = cluster.tpu_queue(namespace, "tpu")
     try:
         tpu_job(
@@ -372,6 +372,19 @@ def test_missing_priority_class_says_so(cluster: Cluster, namespace: str, operat
         )
         workloads = cluster.kubectl("get", "workloads", "-n", namespace, "-o", "name").stdout
         assert workloads.strip() == "" and pods(cluster, namespace) == []
+        # Outside Kueue the Job controller creates no pod (the API server refuses each) and
+        # says so only in the Jobs' Events: the job waits, naming the class.
+        tpu_job(
+            cluster, namespace, "unclassed", "posttrain-trainer:slow",
+            priorityClass=f"{namespace}-none",
+        )  # fmt: skip
+        row = wait_row(cluster, namespace, "unclassed", "not found", timeout=30)
+        assert row.split()[4] == "Pending", row
+        assert (
+            f'PriorityClass.scheduling.k8s.io "{namespace}-none" not found: the Job '
+            "controller creates no pods"
+        ) in status(cluster, namespace, "unclassed")["message"]
+        assert pods(cluster, namespace) == []
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(queue)

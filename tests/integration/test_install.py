@@ -325,6 +325,8 @@ ALLOWED = [
     ("get", "localqueues.kueue.x-k8s.io/tpu", "other"),
     ("list", "pods", "-"),
     ("watch", "pods", "-"),
+    ("list", "jobs.batch", "-"),
+    ("watch", "jobs.batch", "-"),
     ("list", "workloads.kueue.x-k8s.io", "-"),
     ("watch", "workloads.kueue.x-k8s.io", "-"),
     ("patch", "workloads.kueue.x-k8s.io", "other"),
@@ -347,6 +349,7 @@ DENIED = [
     ("create", "pods", "other"),
     ("patch", "pods", "other"),
     ("delete", "pods", "other"),
+    ("create", "jobs.batch", "other"),
     ("update", "pods/status", "other"),
     ("delete", "workloads.kueue.x-k8s.io", "other"),
     ("update", "workloads.kueue.x-k8s.io/status", "other"),
@@ -436,7 +439,7 @@ def test_can_i_matrix_is_meaningful(apiserver: Cluster, release: Release) -> Non
 
 
 def _render_for(job: dict[str, Any]) -> list[dict[str, Any]]:
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
     from posttrain.render import render
 
     parsed, errors = validate(job)

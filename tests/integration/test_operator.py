@@ -13,7 +13,9 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+import kubernetes
 import pytest
+from hostile_jobs import MODELS
 from invalid_jobs import valid_job
 from operator_process import (
     OperatorProcess,
@@ -31,6 +33,7 @@ from trainer_access import (
     trainer_pod,
 )
 
+from posttrain.render.jobset import JOB_NAME_LABEL
 from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
 from posttrain.render.trainer_config import CONFIG_ANNOTATION
 from tests.cluster import Cluster, self_signed, wait_for
@@ -97,6 +100,29 @@ def events(apiserver: Cluster, namespace: str, name: str) -> list[str]:
     return [e.reason for e in items]
 
 
+def running_pod(
+    apiserver: Cluster, namespace: str, name: str, job: str, job_uid: str | None = None
+) -> None:
+    """A pod of the job's leader Job (labels as JobSet sets them) whose container runs; owned
+    by the batch Job `job_uid`, or by nothing."""
+    labels = {JOB_NAME_LABEL: job, "jobset.sigs.k8s.io/replicatedjob-name": "node",
+              "jobset.sigs.k8s.io/job-index": "0", "jobset.sigs.k8s.io/restart-attempt": "0"}  # fmt: skip
+    meta: dict = {"name": name, "labels": labels}
+    if job_uid:
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": f"{job}-node-0",
+                                    "uid": job_uid, "controller": True}]  # fmt: skip
+    apiserver.core.create_namespaced_pod(
+        namespace,
+        {"metadata": meta, "spec": {"serviceAccountName": TRAINER,
+                                    "containers": [{"name": "trainer", "image": "t"}]}},
+    )  # fmt: skip
+    started = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+    status = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "ready": True, "restartCount": 0, "image": "t", "imageID": "",
+         "state": started}]}  # fmt: skip
+    apiserver.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+
 def test_creates_owned_objects_and_status(
     apiserver: Cluster, namespace: str, operator: OperatorProcess
 ):
@@ -134,6 +160,27 @@ def test_creates_owned_objects_and_status(
     }
     wait_for(lambda: "Pending" in events(apiserver, namespace, "first"), timeout=20)
     assert "JobSetCreated" not in events(apiserver, namespace, "first")  # the phase's Event says it
+
+    # A running pod that only carries the job's labels is not the job's: it stays Pending.
+    running_pod(apiserver, namespace, "first-foreign", "first")
+    time.sleep(2)
+    assert phase(apiserver, namespace, "first") == "Pending"
+    # The JobSet's own pod (owned by a Job the JobSet controls) runs: the job runs.
+    owner = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": "first",
+             "uid": js["metadata"]["uid"], "controller": True}  # fmt: skip
+    batch = kubernetes.client.BatchV1Api(apiserver.api_client)
+    batch_job = batch.create_namespaced_job(
+        namespace,
+        {"metadata": {"name": "first-node-0", "labels": {JOB_NAME_LABEL: "first"},
+                      "ownerReferences": [owner]},
+         "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never",
+                  "containers": [{"name": "trainer", "image": "t"}]}}}},
+    )  # fmt: skip
+    running_pod(apiserver, namespace, "first-node-0-0", "first", batch_job.metadata.uid)
+    wait_for(lambda: phase(apiserver, namespace, "first") == "Running", timeout=30)
+    batch.delete_namespaced_job("first-node-0", namespace, propagation_policy="Orphan")
+    for name in ("first-foreign", "first-node-0-0"):
+        apiserver.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
 
     # The JobSet runs, then completes: the phase follows, with conditions and events.
     set_jobset_status(apiserver, namespace, "first", RUNNING)
@@ -203,6 +250,13 @@ def test_suspend_resume_and_mutable_fields(
     wait_for(lambda: jobsets(apiserver, namespace)[0]["spec"]["suspend"] is False, timeout=30)
     wait_for(lambda: phase(apiserver, namespace, "pausable") == "Pending", timeout=40)
     assert js["metadata"]["uid"] == jobsets(apiserver, namespace)[0]["metadata"]["uid"]
+    # JobSet's failurePolicy cannot change: neither can the job's maxRestarts.
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        apiserver.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "pausable",
+            {"spec": {"scheduling": {"maxRestarts": 7}}},
+        )  # fmt: skip
+    assert "spec.scheduling.maxRestarts" in refused.value.body, refused.value.body
 
 
 def test_jobset_deleted_out_of_band_is_recreated(
@@ -265,6 +319,43 @@ def test_invalid_job_without_webhook_fails_cleanly(
     assert "spec.resources.accelerator" in status["message"] and "v6e-256" in status["message"]
     assert jobsets(apiserver, namespace) == []
     wait_for(lambda: "InvalidSpec" in events(apiserver, namespace, "impossible"), timeout=20)
+    # A credential in a refused output URI reaches neither the status, the Events nor the
+    # logs; a config.json that is no model's fails the job with its file and key.
+    create_job(apiserver, namespace, "leaky", output={"uri": "gs://TOKEN@bucket/run"})
+    source = str(MODELS / "zero-heads")
+    create_job(apiserver, namespace, "bad-config", model={"source": source})
+    for name, field, words in [
+        ("leaky", "spec.output.uri", "credentials"),
+        ("bad-config", "spec.model.source", "config.json: num_attention_heads"),
+    ]:
+        wait_for(lambda n=name: phase(apiserver, namespace, n) == "Failed", timeout=30)
+        status = get_job(apiserver, namespace, name)["status"]
+        assert (
+            field in status["message"]
+            and words in failed_condition(apiserver, namespace, name)["message"]
+        ), status
+        wait_for(lambda n=name: event_messages(apiserver, namespace, n, "InvalidSpec"), timeout=20)
+    leaky = get_job(apiserver, namespace, "leaky")
+    assert "outputs" not in leaky["status"] and "TOKEN" not in json.dumps(leaky["status"])
+    assert not any(
+        "TOKEN" in m for m in event_messages(apiserver, namespace, "leaky", "InvalidSpec")
+    )
+    assert "TOKEN" not in operator.logs()
+    assert jobsets(apiserver, namespace) == []
+    # Without the webhook, a missing PriorityClass is the job's reason to wait: the Job
+    # controller creates no pod until it exists.
+    create_job(apiserver, namespace, "no-class", scheduling={"priorityClass": f"{namespace}-x"})
+
+    def waits_for_class() -> bool:
+        status = get_job(apiserver, namespace, "no-class").get("status") or {}
+        running = {c["type"]: c for c in status.get("conditions") or []}.get("Running", {})
+        return status.get("phase") == "Pending" and running.get("reason") == "PriorityClassNotFound"
+
+    wait_for(waits_for_class, timeout=30, describe=operator.logs)
+    assert (
+        f'"{namespace}-x" not found'
+        in get_job(apiserver, namespace, "no-class")["status"]["message"]
+    )
     create_job(apiserver, namespace, "fine")  # the operator is still working
     wait_for(lambda: phase(apiserver, namespace, "fine") == "Pending", timeout=30)
 

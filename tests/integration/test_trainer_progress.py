@@ -17,7 +17,7 @@ import yaml
 from operator_process import token_kubeconfig
 from trainer_access import install_trainer_policy, remove_trainer_policy, trainer_pod
 
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.render import RenderConfig
 from posttrain.render.names import TRAINER_SERVICE_ACCOUNT
 from posttrain.render.objects import trainer_access

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.api.spec import EvalSpec  # noqa: E402
-from posttrain.api.validate import validate  # noqa: E402
+from posttrain.checks import validate  # noqa: E402
 from posttrain.trainer import data, grpo, models, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.loop import train  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE
-from posttrain.api.validate import load_job
+from posttrain.checks import load_job
 from posttrain.trainer import device_check
 from posttrain.trainer.device_check import CRASH_EXIT_CODE, Expected, diagnose, expected
 

@@ -11,7 +11,7 @@ import yaml
 from tiny_model import make_tiny_llama
 
 from posttrain import cli
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.trainer import generate, models
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.loop import train

@@ -27,7 +27,7 @@ from tb_events import scalars
 from tiny_job import assert_bitwise_equal
 from tiny_model import make_tiny_llama
 
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.loop import train
 

@@ -25,7 +25,7 @@ from safetensors.numpy import load
 from tb_events import scalars, texts
 from tiny_job import assert_bitwise_equal, run_job, tiny_job
 
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.trainer import data, models, storage
 from posttrain.trainer.export import export_checkpoint, peft_base_model_name
 from tests.trainer.data_helpers import gcs_bucket

@@ -111,7 +111,7 @@ def test_lookahead_checkpoints_the_loops_position_not_the_samplers():
 
 
 def test_split_of_the_devices_a_process_sees():
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
 
     def spec(fraction):
         doc = {

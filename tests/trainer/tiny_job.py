@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.api.spec import PostTrainJob
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 
 
 def tiny_job(

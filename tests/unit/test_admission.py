@@ -6,7 +6,7 @@ from invalid_jobs import CASES, valid_job
 
 from posttrain import capacity, catalog
 from posttrain.api.spec import PostTrainJobSpec
-from posttrain.api.validate import printable, validate
+from posttrain.checks import printable, validate
 from posttrain.controller.admission import admission_errors
 from posttrain.controller.webhook import review_response
 

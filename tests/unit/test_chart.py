@@ -60,6 +60,7 @@ EXPECTED_CLUSTER_RULES = {
     ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get", "list", "watch"},
     ("kueue.x-k8s.io", "localqueues"): {"get"},
     ("", "pods"): {"list", "watch"},
+    ("batch", "jobs"): {"list", "watch"},
     ("kueue.x-k8s.io", "workloads"): {"list", "watch", "patch"},
     ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
     ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"): {"get"},
@@ -322,7 +323,7 @@ def test_lease_name_matches_the_operator() -> None:
 
 
 def _sample_job() -> Any:
-    from posttrain.api.validate import validate
+    from posttrain.checks import validate
 
     doc = yaml.safe_load((ROOT / "examples" / "sft-lora-smollm2-cpu.yaml").read_text())
     doc["metadata"].update(namespace="team-a", uid="0000-1111")

@@ -109,6 +109,18 @@ def test_the_api_never_imports_the_trainer() -> None:
             assert not {d for d in deps if d.startswith("posttrain.trainer")}, name
 
 
+def test_the_api_imports_neither_the_renderer_nor_the_checks_above_it() -> None:
+    """posttrain.api is the schema: validation that needs the renderer or the memory
+    estimate lives one floor up, in posttrain.checks."""
+    above = ("posttrain.render", "posttrain.capacity", "posttrain.checks", "posttrain.controller",
+             "posttrain.cli")  # fmt: skip
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("posttrain.api"):
+            bad = {d for d in deps if d.startswith(above)}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
 @pytest.mark.parametrize(
     ("graph", "cycle"),
     [

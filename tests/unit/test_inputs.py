@@ -14,8 +14,7 @@ from posttrain.api.documents import DocumentError, parse_documents
 @pytest.mark.parametrize(
     "data,message",
     [
-        ("a: é\n".encode("latin-1"), "not UTF-8"),
-        ("a: 1\n".encode("utf-16"), "not UTF-8"),
+        ("a: 1\n".encode("utf-16"), "UTF-16"),
         (b"[" * 100_000, "nest"),
         (b"{a: " * 1000, "nested deeper than 64"),
         (b"a: [unclosed\n", "did not find expected"),
@@ -33,7 +32,7 @@ def test_documents_refused_with_a_reason(data, message):
 
 def test_documents_read_as_kubectl_reads_them():
     text = b"""\
-b: &b {x: 1, y: 2}
+b: &b {x: 1, w: 2}
 later: {x: 5, <<: *b}
 earlier: {<<: *b, x: 5}
 listed: {<<: [{x: 1}, {x: 2}]}
@@ -42,11 +41,50 @@ date: 2001-12-14
 octal: 0755
 """
     (doc,) = parse_documents(text)
-    assert doc["later"] == {"x": 1, "y": 2}  # the merge key stands after x: it wins
-    assert doc["earlier"] == {"x": 5, "y": 2}
+    assert doc["later"] == {"x": 1, "w": 2}  # the merge key stands after x: it wins
+    assert doc["earlier"] == {"x": 5, "w": 2}
     assert doc["listed"] == {"x": 1}  # earlier maps of a merge list win
     assert doc["sexagesimal"] == "1:30" and doc["date"] == "2001-12-14"
     assert doc["octal"] == 493
+
+
+# What kubectl 1.36 sends for each scalar (`kubectl create --dry-run=client -o json`).
+KUBECTL_SENDS = [
+    ("y", True), ("Y", True), ("yes", True), ("on", True), ("n", False), ("NO", False),
+    ("off", False), ("0o10", 8), ("010", 8), ("08", 8), ("0x1F", 31), ("0b101", 5),
+    ("1e3", 1000), ("8.0", 8), ("1_000", 1000), ("+12", 12), (".5", 0.5), ("1.", 1),
+    ("-0", 0), ("1e400", "1e400"), ("12345678901234567890123", 1.2345678901234568e22),
+    ("2001-12-14", "2001-12-14"), ("1:30", "1:30"), ("!!binary aGk=", "hi"),
+    ("!!str 1", "1"), ("!!int '3'", 3), ("!!float 1", 1), ("'y'", "y"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("scalar,sent", KUBECTL_SENDS, ids=[s for s, _ in KUBECTL_SENDS])
+def test_scalars_read_as_kubectl_sends_them(scalar, sent):
+    (doc,) = parse_documents(f"v: {scalar}\n".encode())
+    assert doc == {"v": sent} and type(doc["v"]) is type(sent)
+
+
+def test_nulls_duplicates_and_bytes_as_kubectl_sends_them():
+    (doc,) = parse_documents(b"a: 1\na: 2\nn: 1\nb: null\nc: ~\nd: [1, null]\ne: \xff\xfex\n")
+    assert doc == {"a": 2, False: 1, "d": [1, None], "e": "\ufffd\ufffdx"}
+
+
+def test_yaml_errors_name_line_and_column_not_a_string():
+    with pytest.raises(DocumentError) as e:
+        parse_documents(b"spec:\n  training: {steps: 10\n  x: 1\n")
+    assert "<unicode string>" not in str(e.value) and "line 3, column" in str(e.value)
+
+
+def test_an_alias_bomb_names_the_key_it_expands_under():
+    bomb = b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + b"".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n".encode()
+        for p, c in zip("abcd", "bcde", strict=True)
+    )
+    with pytest.raises(DocumentError) as e:
+        parse_documents(b"spec:\n  data:\n    columns:\n" + b"".join(
+            b"      " + line + b"\n" for line in bomb.splitlines()))  # fmt: skip
+    assert e.value.field.startswith("spec.data.columns.")
 
 
 def test_large_documents_are_parsed_by_libyaml():
@@ -70,6 +108,11 @@ def test_large_documents_are_parsed_by_libyaml():
         ("(x*y?)*z", "quantifier inside a repeated group"),
         ("a{1001}", "more than 1000"),
         ("q_proj(", "not a valid regular expression"),
+        ("(.*)(.*)(.*)(.*)(.*)X", "one after another"),  # 39 s on 80 characters
+        (r"\w+\w+X", "one after another"),
+        (r".*\s*X", "one after another"),
+        (".{0,500}.{0,500}x", "one after another"),
+        (".*a.*a.*aX", "3 long repeats over (almost) any character"),
     ],
 )
 def test_dangerous_regexes_refused(pattern, problem):
@@ -81,7 +124,8 @@ def test_dangerous_regexes_refused(pattern, problem):
 @pytest.mark.parametrize(
     "pattern",
     ["q_proj", r"(.*/)?(q_proj|v_proj)", r"layers/\d+/attn/q_proj", r"<answer>\s*\d+</answer>",
-     r"(ab{2})+", "a{2,1000}"],
+     r"(ab{2})+", "a{2,1000}", r"^<think>.*</think>\s*<answer>.*</answer>$", r"\S+\s+\S+",
+     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>"],
 )  # fmt: skip
 def test_ordinary_regexes_accepted(pattern):
     assert patterns.regex_error(pattern) is None

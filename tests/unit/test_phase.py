@@ -875,3 +875,67 @@ def test_queue_positions_from_kueue_summary():
     }
     assert queue_positions(summary) == {"w1": (1, 5), "w2": (1, 1)}
     assert queue_positions({"items": []}) == {}
+
+
+@pytest.mark.parametrize(
+    "uri", ["gs://TOKEN@bucket/run", "gs://key:TOKEN@bucket/run", "GS://TOKEN@bucket/run"]
+)
+def test_a_refused_output_uri_never_reaches_the_status(uri):
+    import json
+
+    from invalid_jobs import valid_job
+
+    from posttrain.checks import validate
+    from posttrain.controller.phase import Observation, observation_patch
+
+    doc = valid_job("leaky")
+    doc["spec"]["output"]["uri"] = uri
+    _, errors = validate(doc)
+    message = "; ".join(str(e) for e in errors)
+    assert "spec.output.uri" in message
+    patch = observation_patch(
+        Observation(Phase.failed, "InvalidSpec", message), doc["spec"], {}, "t", 1
+    )
+    assert patch["phase"] == "Failed" and "outputs" not in patch
+    assert "TOKEN" not in json.dumps(patch)
+
+
+def test_only_pods_whose_owner_chain_leads_to_the_jobset_count():
+    from posttrain.controller.phase import owned_pods
+
+    def owned_by(body, uid):
+        body["metadata"]["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "j-slice-0", "uid": uid,
+             "controller": True}
+        ]  # fmt: skip
+        return body
+
+    running = {"phase": "Running", "containers": [RUNNING]}
+    mine = pod_state(owned_by(pod(**running), "job-1"))
+    foreign = [
+        pod_state(pod(**running)),  # the job's name label, no owner
+        pod_state(owned_by(pod(**running), "job-2")),  # a Job of another JobSet
+        pod_state(owned_by(pod(**running), "job-3")),  # a Job no JobSet controls
+    ]
+    jobs = [("job-1", "js-uid"), ("job-2", "other-js"), ("job-3", None)]
+    assert owned_pods([mine, *foreign], jobs, "js-uid") == [mine]
+    # A job whose own pods cannot schedule is not Running for a foreign pod.
+    waiting = pod_state(owned_by(pod(conditions=[UNSCHEDULABLE]), "job-1"))
+    pods = owned_pods([waiting, *foreign], jobs, "js-uid")
+    p = status_patch(jobset(active=1), SPEC, {}, "t", 1, pods)
+    assert p["phase"] == "Pending" and p["conditions"][1]["reason"] == "Unschedulable", p
+
+
+def test_a_missing_priority_class_outside_kueue_keeps_the_job_pending_with_why():
+    from posttrain.controller.phase import missing_priority_class
+
+    js = classed(pc="urgent", queue=None)
+    js["spec"]["suspend"] = False
+    cause = missing_priority_class(js, {"low"})
+    p = status_patch(js, SPEC, {}, "t", 1, [], None, cause)
+    running = {c["type"]: c for c in p["conditions"]}["Running"]
+    assert p["phase"] == "Pending" and running["reason"] == "PriorityClassNotFound"
+    assert '"urgent" not found' in p["message"] and "spec.scheduling.priorityClass" in p["message"]
+    assert missing_priority_class(js, {"urgent"}) is None
+    assert missing_priority_class(js, None) is None  # not known
+    assert missing_priority_class(classed(pc="urgent"), {"low"}) is None  # Kueue's case

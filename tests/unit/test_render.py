@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.api.validate import load_job
+from posttrain.checks import load_job
 from posttrain.render import RenderConfig, render
 from posttrain.yaml_out import dump_yaml
 
@@ -352,21 +352,29 @@ def test_existing_trainer_access_is_used_only_when_it_serves(kind, existing, usa
 
 
 def test_config_too_large_for_an_annotation_is_refused_naming_the_limit(monkeypatch):
-    """The schema's own limits keep a spec far below what an annotation may hold; the
-    check guards the boundary (tried here with a lower limit), refusing with the sizes."""
-    from posttrain.api.validate import validate
+    """The check guards the boundary (tried here with a lower limit) as the job will be in
+    a cluster, with the namespace and UID it carries there (at most 63 and 36 characters),
+    refusing with the sizes and naming the largest field."""
+    from posttrain.checks import validate
     from posttrain.render import trainer_config
 
     doc = yaml.safe_load((GOLDEN / "jobs" / "cpu.yaml").read_text())
     job, errors = validate(doc)
     assert job is not None and not errors
     size = len(trainer_config.CONFIG_ANNOTATION) + len(trainer_config.config_text(job))
+    # Read from a file without them, the job is counted with the longest a cluster gives.
+    namespace, uid = doc["metadata"].pop("namespace"), doc["metadata"].pop("uid")
+    size += 63 - len(namespace) + 36 - len(uid)
     monkeypatch.setattr(trainer_config, "CONFIG_MAX_BYTES", size)
     assert validate(doc)[1] == []
     monkeypatch.setattr(trainer_config, "CONFIG_MAX_BYTES", size - 1)
     (error,) = validate(doc)[1]
-    assert error.field == "spec"
-    assert f"config is {size} bytes as JSON, over the {size - 1}" in error.message
+    largest = max(job.spec.to_wire().items(), key=lambda kv: len(json.dumps(kv[1])))
+    assert error.field.startswith(f"spec.{largest[0]}")
+    assert (
+        f"config is {size} bytes as JSON" in error.message
+        and f"over the {size - 1}" in error.message
+    )
     assert "'posttrain.dev/config'" in error.message
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.api.validate import load_job
 from posttrain.catalog import GPU_TYPES, resolve
+from posttrain.checks import load_job
 from posttrain.render import gpu, render
 from posttrain.render.trainer_config import CONFIG_ANNOTATION
 

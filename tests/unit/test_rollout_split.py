@@ -7,7 +7,7 @@ import pytest
 from invalid_jobs import valid_job
 
 from posttrain.api import rollout_split
-from posttrain.api.validate import load_job, validate
+from posttrain.checks import load_job, validate
 from posttrain.controller.phase import status_patch
 from posttrain.render import render
 

@@ -3,7 +3,7 @@
 import pytest
 from invalid_jobs import CASES, valid_job
 
-from posttrain.api.validate import FieldError, immutable_changes, validate
+from posttrain.checks import FieldError, immutable_changes, validate
 
 
 def test_valid_job_has_no_errors():
@@ -117,3 +117,37 @@ def test_status_is_read_as_the_operator_and_trainer_write_it():
     doc["status"] = {"phase": "Exploded"}
     _, errors = validate(doc)
     assert [e.field for e in errors] == ["status.phase"]
+
+
+def test_max_restarts_cannot_change_as_jobsets_failure_policy_cannot():
+    old, new = {"scheduling": {"maxRestarts": 3}}, {"scheduling": {"maxRestarts": 7}}
+    assert [e.field for e in immutable_changes(old, new)] == ["spec.scheduling.maxRestarts"]
+
+
+@pytest.mark.parametrize(
+    "path,wrong,right",
+    [
+        ("training", "batch_size", "batchSize"),
+        ("training", "learnig_rate", "learningRate"),
+        ("output", "exporthf", "exportHF"),
+        ("", "lorra", "lora"),
+    ],
+)
+def test_an_unknown_field_says_which_it_may_mean(path, wrong, right):
+    doc = valid_job()
+    section = doc["spec"].setdefault(path, {}) if path else doc["spec"]
+    section[wrong] = 1
+    field = f"spec.{path}.{wrong}" if path else f"spec.{wrong}"
+    (error,) = [e for e in validate(doc)[1] if e.field == field]
+    assert error.message == f"unknown field (did you mean {right}?)"
+
+
+def test_a_yaml_error_names_the_file_line_and_column(tmp_path):
+    from posttrain.checks import InvalidJob, load_job
+
+    path = tmp_path / "job.yaml"
+    path.write_text("spec:\n  training: {steps: 10\n  x: 1\n")
+    with pytest.raises(InvalidJob) as e:
+        load_job(path)
+    assert str(e.value).startswith(f"{path}: ") and "<unicode string>" not in str(e.value)
+    assert "line 3, column" in str(e.value)

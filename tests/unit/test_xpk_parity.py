@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.api.validate import load_job
+from posttrain.checks import load_job
 from posttrain.render import render
 
 DATA = Path(__file__).parent / "data"

@@ -191,6 +191,9 @@ def crd() -> dict[str, Any]:
                             "type": "object",
                             "description": spec.PostTrainJob.__doc__,
                             "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {"rule": rules.NAME_CEL, "message": rules.NAME_MESSAGE}
+                            ],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

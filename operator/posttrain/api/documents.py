@@ -1,14 +1,26 @@
 """Read PostTrainJob YAML files as kubectl reads them, within limits.
 
-libyaml's C parser (yaml.CSafeLoader) does the parsing. Before anything is built, the
-file's size, nesting depth and node count (aliases expanded, so "billion laughs"
-documents stop early) are checked, and it must be UTF-8. What is read follows kubectl
-(sigs.k8s.io/yaml) where PyYAML differs: a merge key (`<<`) is applied where it stands,
-later keys winning; timestamps and base-60 numbers (`1:30`) stay strings.
+kubectl turns YAML into JSON with sigs.k8s.io/yaml, whose scalars are go-yaml v2's (YAML
+1.1 as Go reads it), and sends that JSON. libyaml's C parser (yaml.CSafeLoader) does the
+parsing here; scalars are resolved by go-yaml v2's rules (`_resolve`): `y`/`n`/`on`/`off`
+are booleans, `0o10`, `010` and `0x1F` integers, `1e3` a number, timestamps and base-60
+forms (`1:30`) strings, a number out of range (`1e400`) a string; a merge key (`<<`)
+applies where it stands, later keys winning; a duplicate key keeps its last value;
+`!!binary` is its decoded text. Then as the JSON round trip leaves them: a float with no
+fraction is an integer (`8.0` is 8), bytes that are not UTF-8 are U+FFFD, and a null
+value in a mapping is no value (the API server prunes it from an object's fields).
+
+Before anything is built, the file's size, nesting depth and node count (aliases
+expanded, so "billion laughs" documents stop early, naming the key where they do) are
+checked. Errors name the line and column; the caller names the file.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +33,93 @@ MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class DocumentError(ValueError):
-    """A file that is not readable YAML within the limits; the message says why."""
+    """A file that is not readable YAML within the limits; the message says why and
+    `field` names where, when it can (the key whose aliases expand past the limit)."""
+
+    def __init__(self, message: str, field: str = "(yaml)"):
+        super().__init__(message)
+        self.field = field
+
+
+BOOL_TAG, NULL_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"
+INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+STR_TAG = "tag:yaml.org,2002:str"
+# go-yaml v2's resolve table (resolve.go).
+_TRUE = {"y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"}
+_FALSE = {"n", "N", "no", "No", "NO", "false", "False", "FALSE", "off", "Off", "OFF"}
+_NULL = {"", "~", "null", "Null", "NULL"}
+_SPECIAL_FLOATS = {
+    **dict.fromkeys([".nan", ".NaN", ".NAN"], math.nan),
+    **dict.fromkeys([".inf", ".Inf", ".INF", "+.inf", "+.Inf", "+.INF"], math.inf),
+    **dict.fromkeys(["-.inf", "-.Inf", "-.INF"], -math.inf),
+}
+_YAML_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+_GO_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?(inf|infinity|nan)",
+                       re.IGNORECASE)  # fmt: skip
+_GO_INT = re.compile(r"([-+]?)(0[xX][0-9a-fA-F]+|0[oO][0-7]+|0[bB][01]+|0[0-7]*|[1-9][0-9]*)")
+_INT64 = 2**63
+
+
+def _go_int(text: str, signed: bool = True) -> int | None:
+    """strconv.ParseInt(text, 0, 64) (ParseUint when not signed), or None."""
+    m = _GO_INT.fullmatch(text)
+    if m is None or (m.group(1) and not signed):
+        return None
+    digits = m.group(2)
+    if digits[:2].lower() in ("0x", "0o", "0b"):
+        value = int(digits[2:], {"x": 16, "o": 8, "b": 2}[digits[1].lower()])
+    elif digits.startswith("0") and len(digits) > 1:
+        value = int(digits[1:], 8)
+    else:
+        value = int(digits)
+    value = -value if m.group(1) == "-" else value
+    ok = -_INT64 <= value < _INT64 if signed else 0 <= value < 2 * _INT64
+    return value if ok else None
+
+
+def _go_float(text: str) -> float | None:
+    """strconv.ParseFloat(text, 64) for decimal forms, or None (out of range too)."""
+    if not _GO_FLOAT.fullmatch(text):
+        return None
+    value = float(text)
+    return None if math.isinf(value) and "inf" not in text.lower() else value
+
+
+def _timestamp(text: str) -> bool:
+    return re.match(r"[0-9]{4}-[0-9]", text) is not None
+
+
+def resolve_plain(text: str) -> tuple[str, Any]:
+    """(tag, value) of a plain scalar by go-yaml v2's `resolve`."""
+    if text in _TRUE or text in _FALSE:
+        return BOOL_TAG, text in _TRUE
+    if text in _NULL:
+        return NULL_TAG, None
+    if text in _SPECIAL_FLOATS:
+        return FLOAT_TAG, _SPECIAL_FLOATS[text]
+    if text == "<<":
+        return MERGE_TAG, text
+    if text[:1] == ".":
+        value = _go_float(text)
+        return (FLOAT_TAG, value) if value is not None else (STR_TAG, text)
+    if text[:1] in "+-0123456789" and text:
+        if _timestamp(text):  # go-yaml keeps a timestamp as its text for an untyped value
+            return STR_TAG, text
+        plain = text.replace("_", "")
+        for signed in (True, False):
+            if (value := _go_int(plain, signed)) is not None:
+                return INT_TAG, value
+        if _YAML_FLOAT.fullmatch(plain) and (value := _go_float(plain)) is not None:
+            return FLOAT_TAG, value
+    return STR_TAG, text
 
 
 class _Loader(yaml.CSafeLoader):  # type: ignore[misc,name-defined]
+    def resolve(self, kind: type, value: Any, implicit: tuple[bool, bool]) -> str:
+        if kind is yaml.ScalarNode and implicit[0]:
+            return resolve_plain(value)[0]
+        return super().resolve(kind, value, implicit)
+
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
         pairs: list[tuple[yaml.Node, yaml.Node]] = []
         for key, value in node.value:
@@ -41,18 +136,54 @@ class _Loader(yaml.CSafeLoader):  # type: ignore[misc,name-defined]
                 pairs.extend(source.value)
         node.value = pairs
 
-    def construct_yaml_int(self, node: yaml.Node) -> Any:
+    def _typed(self, node: yaml.Node, tag: str) -> Any:
         text = self.construct_scalar(node)
-        return text if ":" in text else super().construct_yaml_int(node)
+        found, value = resolve_plain(text)
+        if found == tag or (tag == FLOAT_TAG and found == INT_TAG):
+            return float(value) if tag == FLOAT_TAG else value
+        kind = {INT_TAG: "an integer", FLOAT_TAG: "a number", BOOL_TAG: "a boolean"}[tag]
+        raise yaml.constructor.ConstructorError(
+            None, None, f"cannot read {text!r} as {kind}", node.start_mark
+        )
+
+    def construct_yaml_int(self, node: yaml.Node) -> Any:
+        return self._typed(node, INT_TAG)
 
     def construct_yaml_float(self, node: yaml.Node) -> Any:
+        return self._typed(node, FLOAT_TAG)
+
+    def construct_yaml_bool(self, node: yaml.Node) -> Any:
+        return self._typed(node, BOOL_TAG)
+
+    def construct_yaml_binary(self, node: yaml.Node) -> Any:
         text = self.construct_scalar(node)
-        return text if ":" in text else super().construct_yaml_float(node)
+        try:
+            return base64.b64decode("".join(text.split()), validate=True).decode(
+                "utf-8", errors="replace"
+            )
+        except (binascii.Error, ValueError):
+            raise yaml.constructor.ConstructorError(
+                None, None, "!!binary that is not base64", node.start_mark
+            ) from None
 
 
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
-_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+_Loader.add_constructor(INT_TAG, _Loader.construct_yaml_int)
+_Loader.add_constructor(FLOAT_TAG, _Loader.construct_yaml_float)
+_Loader.add_constructor(BOOL_TAG, _Loader.construct_yaml_bool)
+_Loader.add_constructor("tag:yaml.org,2002:binary", _Loader.construct_yaml_binary)
 _Loader.add_constructor("tag:yaml.org,2002:timestamp", _Loader.construct_yaml_str)
+
+
+def as_sent(value: Any) -> Any:
+    """A value as kubectl's JSON round trip leaves it: floats with no fraction become
+    integers, null values in mappings are dropped (the API server prunes them)."""
+    if isinstance(value, dict):
+        return {k: as_sent(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [as_sent(v) for v in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < _INT64:
+        return int(value)
+    return value
 
 
 def _check_events(text: str) -> None:
@@ -72,28 +203,45 @@ def _check_events(text: str) -> None:
 
 
 def _check_size(node: yaml.Node) -> None:
-    """Count nodes with aliases expanded; stop at MAX_NODES."""
-    count, stack = 0, [node]
+    """Count nodes with aliases expanded; stop at MAX_NODES, naming the key reached."""
+    count, stack = 0, [(node, "")]
     while stack:
-        node = stack.pop()
+        node, path = stack.pop()
         count += 1
         if count > MAX_NODES:
-            raise DocumentError(f"more than {MAX_NODES} values (with aliases expanded)")
+            raise DocumentError(
+                f"more than {MAX_NODES} values (with aliases expanded)", path or "(yaml)"
+            )
         if isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
         elif isinstance(node, yaml.MappingNode):
             for key, value in node.value:
-                stack += [key, value]
+                name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                stack += [(key, path), (value, f"{path}.{name}" if path else str(name))]
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A parser's error as `line L, column C: problem (context at line, column)`, without
+    the name of a string the parser was given (the caller names the file)."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        out = f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+        if e.context:
+            where = e.context_mark
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            out += f" ({e.context}{at})"
+        return " ".join(out.split())
+    return " ".join(str(e).replace('"<unicode string>"', "the file").split())
 
 
 def parse_documents(data: bytes) -> list[Any]:
     """Every non-empty YAML document in `data`; DocumentError says what is wrong."""
     if len(data) > MAX_BYTES:
         raise DocumentError(f"larger than {MAX_BYTES // 1024} KiB")
-    try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise DocumentError(f"not UTF-8 text (byte {e.start})") from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise DocumentError("UTF-16 text: save the file as UTF-8")
+    # kubectl sends bytes that are not UTF-8 as U+FFFD (its JSON encoder replaces them).
+    text = data.decode("utf-8", errors="replace").removeprefix("\ufeff")
     try:
         _check_events(text)
         loader = _Loader(text)
@@ -106,10 +254,10 @@ def parse_documents(data: bytes) -> list[Any]:
         finally:
             loader.dispose()
     except yaml.YAMLError as e:
-        raise DocumentError(" ".join(str(e).split())) from None
+        raise DocumentError(_yaml_error(e)) from None
     except RecursionError:
         raise DocumentError(f"nested deeper than {MAX_DEPTH} levels") from None
-    return [d for d in docs if d is not None]
+    return [as_sent(d) for d in docs if d is not None]
 
 
 def read_documents(path: str | Path) -> list[Any]:

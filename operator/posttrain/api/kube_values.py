@@ -51,15 +51,28 @@ def parse_quantity(text: str) -> Decimal:
     raise ValueError(f"{text!r} is not a Kubernetes quantity (like 8, 500m or 64Gi)")
 
 
-def quantity_error(text: str) -> str | None:
-    """Why `text` is not a positive resource quantity, or None."""
+# The largest quantities the scheduler counts: it sums memory in bytes and CPU in
+# millicores, each in an int64 (a larger one, `1e400`, saturates and fits any node).
+INT64_MAX = 2**63 - 1
+MEMORY_MAX = Decimal(INT64_MAX)
+CPU_MAX = Decimal(INT64_MAX) / 1000
+
+
+def quantity_error(text: str, most: Decimal = MEMORY_MAX) -> str | None:
+    """Why `text` is not a positive resource quantity of at most `most`, or None."""
     try:
         value = parse_quantity(text)
     except ValueError as e:
         return str(e)
     if value <= 0:
         return f"{text!r} must be more than zero"
+    if value > most:
+        return f"{text!r} is more than the scheduler can count (at most {most:.4g})"
     return None
+
+
+def cpu_error(text: str) -> str | None:
+    return quantity_error(text, CPU_MAX)
 
 
 def priority_class_error(text: str) -> str | None:

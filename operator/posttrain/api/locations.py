@@ -8,7 +8,8 @@ Each location field allows some kinds of location:
 
 Every location refuses: control, whitespace and bidirectional-override characters;
 credentials (user:password@ or a token in the URI: use spec.hfTokenSecret); other
-schemes (file://, s3://, http://...); `.` and `..` segments (no way out of a mounted
+schemes (file://, s3://, http://...) and schemes not in lower case (`GS://` would be
+a local path to the trainer, whose outputs stay on the pod's disk); `.` and `..` segments (no way out of a mounted
 volume); query strings and fragments. Buckets follow the Cloud Storage naming rules,
 which also keeps out IP addresses and the metadata server. The checks are pure: the
 spec's validators call `location_error`, so `posttrain validate`, the admission webhook
@@ -42,8 +43,11 @@ CREDENTIALS_HINT = "put tokens in a Secret and name it in spec.hfTokenSecret"
 
 
 def unsafe_character(text: str) -> str | None:
-    """The first control, whitespace or format (bidi, zero-width) character, escaped."""
+    """The first control, whitespace or format (bidi, zero-width) character, or U+FFFD
+    (what a byte that is not UTF-8 becomes), escaped."""
     for ch in text:
+        if ch == "\ufffd":
+            return "\\ufffd (a byte that is not UTF-8)"
         if ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
             return ch.encode("unicode_escape").decode() if ch != " " else "a space"
     return None
@@ -113,6 +117,8 @@ def location_error(value: str, kinds: Collection[str]) -> str | None:
     scheme = _SCHEME.match(value)
     if scheme and value[scheme.end() :].startswith("//"):
         name = scheme.group(0)[:-1].lower()
+        if scheme.group(0)[:-1] != name:
+            return f"write the scheme in lower case, {name}://, as the trainer reads it"
         rest = value[scheme.end() + 2 :]
         if "?" in rest or "#" in rest:
             return "must not hold a query string or fragment (? or #)"

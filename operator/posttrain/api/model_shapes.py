@@ -98,12 +98,86 @@ def from_name(source: str) -> ModelShape | None:
     return None
 
 
+# config.json keys read for a shape: where present, positive integers within int32, as
+# the trainer's model configs take them (a larger one would overflow the memory
+# estimate's floats). A key left out is no error: transformers has defaults for some
+# (Gemma 3's text_config lists few), and without it the shape comes from the name.
+_INT_MAX = 2**31 - 1
+CONFIG_MAX_BYTES = 1024 * 1024
+_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "intermediate_size", "vocab_size")  # fmt: skip
+_VISION_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads", "image_size", "patch_size", "num_channels")  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A config.json at hand that does not describe a model; the message names the file
+    and the key."""
+
+
+def _config_path(source: str) -> Path | None:
+    return None if "://" in source else Path(source) / "config.json"
+
+
+def read_config(source: str) -> dict | None:
+    """The config.json of a local model directory; None when there is none at hand (a
+    path only the trainer pods see, a gs:// or hf:// source). ConfigError, naming the
+    file and the key, when there is one and it is not a model's config."""
+    path = _config_path(source)
+    try:
+        if path is None or not path.is_file():  # not a FIFO or a device either
+            return None
+        with path.open("rb") as f:
+            text = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError:
+        return None
+    if len(text) > CONFIG_MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {CONFIG_MAX_BYTES // 1024} KiB")
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}: not JSON ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    _check_section(path, "", config, _KEYS)
+    for section, keys in (("text_config", _KEYS), ("vision_config", _VISION_KEYS)):
+        if section in config:
+            if not isinstance(config[section], dict):
+                raise ConfigError(f"{path}: {section}: expected an object")
+            _check_section(path, f"{section}.", config[section], keys)
+    return config
+
+
+def _check_section(path: Path, prefix: str, section: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = section.get(key)
+        if value is None:
+            continue
+        where = f"{path}: {prefix}{key}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, found {json.dumps(value)[:40]}")
+        if not 0 < value <= _INT_MAX:
+            raise ConfigError(f"{where}: {str(value)[:40]} is not between 1 and {_INT_MAX}")
+
+
+def config_problem(source: str) -> str | None:
+    """Why the config.json at hand for `source` is no model's config; None when it is
+    one, or when none is at hand."""
+    try:
+        read_config(source)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def from_config(config: dict) -> ModelShape:
     """The shape a Hugging Face config.json describes (KeyError/ValueError when it lacks
     one). Gemma 3's multimodal configs keep the decoder's numbers in text_config."""
     if isinstance(config.get("text_config"), dict):
         config = {"model_type": config.get("model_type", ""), **config["text_config"]}
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    if hidden <= 0 or heads <= 0:
+        raise ValueError("hidden_size and num_attention_heads must be positive")
     gemma = str(config.get("model_type", "")).startswith("gemma")
     return ModelShape(
         hidden=hidden,
@@ -119,13 +193,12 @@ def from_config(config: dict) -> ModelShape:
 
 
 def local_config(source: str) -> ModelShape | None:
-    """The shape from config.json when `source` is a local directory holding a readable one."""
-    if "://" in source:
-        return None
-    path = Path(source) / "config.json"
+    """The shape from config.json when `source` is a local directory holding a model's
+    config (one that is not, `config_problem`, gives none: validate refuses it)."""
     try:
-        return from_config(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        config = read_config(source)
+        return None if config is None else from_config(config)
+    except (ValueError, KeyError, TypeError, OverflowError, ZeroDivisionError):
         return None
 
 
@@ -147,13 +220,12 @@ def hidden_size(source: str) -> int | None:
 def has_vision_tower(source: str) -> bool | None:
     """Whether spec.model has an image encoder (Gemma 3 4B and larger): from a local
     config.json (a ``vision_config``), else from a known name; None when unknown."""
-    if "://" not in source:
-        try:
-            config = json.loads((Path(source) / "config.json").read_text())
-        except (OSError, ValueError):
-            config = None
-        if isinstance(config, dict):
-            return isinstance(config.get("vision_config"), dict)
+    try:
+        config = read_config(source)
+    except ConfigError:
+        config = None
+    if config is not None:
+        return isinstance(config.get("vision_config"), dict)
     name = source.rstrip("/").rsplit("/", 1)[-1].lower().partition("@")[0]
     if re.match(r"gemma-3-(4b|12b|27b)(?![0-9.])", name):
         return True
@@ -186,9 +258,12 @@ _GEMMA3_TOWER = dict(width=1152, depth=27, mlp=4304, heads=16, patches=64 * 64, 
 
 def vision_shape(source: str) -> VisionShape | None:
     """The vision tower of spec.model (a local config.json, else Gemma 3's known sizes)."""
-    if "://" not in source:
+    try:
+        config = read_config(source)
+    except ConfigError:
+        config = None
+    if config is not None:
         try:
-            config = json.loads((Path(source) / "config.json").read_text())
             vc, text = config["vision_config"], config["text_config"]
             size, patch = int(vc.get("image_size", 224)), int(vc.get("patch_size", 16))
             return VisionShape(
@@ -200,7 +275,7 @@ def vision_shape(source: str) -> VisionShape | None:
                 patch_weights=int(vc.get("num_channels", 3)) * patch * patch,
                 text_hidden=int(text["hidden_size"]),
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, ZeroDivisionError):
             pass
     text = from_name(source)
     if text is None or has_vision_tower(source) is not True:

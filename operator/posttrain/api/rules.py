@@ -268,6 +268,20 @@ RULES: list[Rule] = [
 ]
 
 
+# The longest job name for each layout (posttrain.render.names.max_name_length: JobSet's
+# coordinator label `<name>-<replicatedJob>-0-0.<name>` is a label value, at most 63).
+NAME_MAX, NAME_MAX_PATHWAYS = 26, 22
+NAME_CEL = (
+    f"size(self.metadata.name) <= (self.spec.resources.pathways.enabled ? "
+    f"{NAME_MAX_PATHWAYS} : {NAME_MAX})"
+)
+NAME_MESSAGE = (
+    f"metadata.name may have at most {NAME_MAX} characters ({NAME_MAX_PATHWAYS} with "
+    "Pathways): JobSet labels every pod with its coordinator's address "
+    "`<name>-<replicatedJob>-0-0.<name>`, a label value of at most 63 characters"
+)
+
+
 # Rules on each entry of spec.grpo.rewards.
 REWARD_RULES: list[Rule] = [
     Rule(
@@ -305,8 +319,8 @@ def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
 
 
 # Fields of spec that cannot change once the job exists (a running job would silently
-# diverge from its spec). Everything else in scheduling may change: suspend, priority,
-# ttl.
+# diverge from its spec; JobSet's own failurePolicy, where maxRestarts goes, cannot
+# change either). Everything else in scheduling may change: suspend, priority, ttl.
 IMMUTABLE: list[str] = [
     "technique",
     "model",
@@ -324,6 +338,7 @@ IMMUTABLE: list[str] = [
     "hfTokenSecret",
     "scheduling.queue",
     "scheduling.priorityClass",
+    "scheduling.maxRestarts",
 ]
 
 

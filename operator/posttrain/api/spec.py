@@ -64,6 +64,7 @@ GcsLocation = Annotated[str, _checked(locations.location_error, (locations.GS,))
 ImageReference = Annotated[str, _checked(locations.image_error)]
 UserRegex = Annotated[str, _checked(patterns.regex_error)]
 Quantity = Annotated[str, _checked(kube_values.quantity_error)]
+CpuQuantity = Annotated[str, _checked(kube_values.cpu_error)]
 PriorityClassName = Annotated[str, _checked(kube_values.priority_class_error)]
 
 
@@ -547,7 +548,9 @@ class PathwaysSpec(KubeModel):
     )
     """gs:// scratch space for the proxy. Default: <output.uri>/pathways-scratch."""
 
-    head_node_pool: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9-]+$")
+    head_node_pool: str | None = Field(
+        default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
     """GKE node pool (label cloud.google.com/gke-nodepool) of the pathways-head pod, a CPU
     pool. Default: the operator's setting (chart value defaults.pathwaysHeadNodePool)."""
 
@@ -584,7 +587,7 @@ class ResourcesSpec(KubeModel):
     gpus_per_node: int | None = Field(default=None, ge=1, le=16)
     """GPUs per node. Default: the most the GPU type offers in one node."""
 
-    cpu: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
+    cpu: CpuQuantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
     """CPU request of each trainer container, e.g. "8"."""
 
     memory: Quantity | None = Field(default=None, max_length=32, pattern=kube_values.QUANTITY)
@@ -635,9 +638,14 @@ class SecretKeyRef(KubeModel):
     """Secret name."""
 
     key: str = Field(
-        default="token", min_length=1, max_length=NAME_MAX, pattern=r"^[-._a-zA-Z0-9]+$"
+        default="token",
+        min_length=1,
+        max_length=NAME_MAX,
+        # A Secret key as the API server checks one in a pod (IsConfigMapKey): not `.`,
+        # `..` or starting with `..`, else the JobSet is made and its Jobs are refused.
+        pattern=r"^([-_a-zA-Z0-9][-._a-zA-Z0-9]*|\.[-_a-zA-Z0-9][-._a-zA-Z0-9]*)$",
     )
-    """Key within the Secret."""
+    """Key within the Secret (letters, digits, `-`, `_`, `.`; not `.`, `..` or `..x`)."""
 
 
 # Cross-field rules live in posttrain.api.rules (one list, enforced both as CEL in the CRD

@@ -1,26 +1,27 @@
-"""Validate a PostTrainJob document and report every error with its field path.
+"""Read a PostTrainJob document as the API server reads it, and report every error with
+its field path.
 
-`validate(doc)` is what `posttrain validate`, `posttrain run`, the trainer and the
-admission webhook call, so they accept and refuse the same documents as the API server
-with the webhook on. It combines the schema (pydantic, read as strictly as the CRD: no
-coercion of quoted numbers or booleans, camelCase names only, finite numbers), the
-cross-field rules (also in the CRD as CEL), and the checks CEL cannot express: the
-accelerator catalog, derived name lengths, locations, user regexes, LoRA module names,
-how the batch splits over hosts, and whether the job fits in accelerator memory.
+`parse(doc)` is the schema (pydantic, read as strictly as the CRD: no coercion of
+quoted numbers or booleans, camelCase names only, finite numbers, nulls pruned), the
+cross-field rules (also in the CRD as CEL) and the checks that need nothing but the API
+(locations, user regexes, LoRA module names, a local model's config.json, columns).
+What needs the accelerator catalog, the renderer's derived names or the memory estimate
+is one floor up, in `posttrain.checks`, whose `validate(doc)` is what `posttrain
+validate`, `posttrain run`, the trainer, the admission webhook and the operator call.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from posttrain import capacity, catalog
-from posttrain.api import batching, kube_values, lora_modules, model_shapes, rollout_split, rules
+from posttrain.api import kube_values, lora_modules, model_shapes, rules
 from posttrain.api.documents import DocumentError, read_documents
 from posttrain.api.locations import mount_path_error
 from posttrain.api.spec import API_VERSION, KIND, PostTrainJob, PostTrainJobStatus
@@ -65,25 +66,57 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     return path
 
 
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose fields hold the last part of `loc` (list indexes skipped)."""
+    model: type[BaseModel] = PostTrainJob
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = next(
+            (f for name, f in model.model_fields.items() if (f.alias or name) == part), None
+        )
+        if field is None:
+            return None
+        found = _inner_model(field.annotation)
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _inner_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (found := _inner_model(arg)) is not None:
+            return found
+    return None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """` (did you mean X?)` for an unknown field close to a known one (camelCase for
+    snake_case, another case, a typo); empty when none is."""
+    model = _model_at(loc)
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    known = [f.alias or name for name, f in model.model_fields.items()]
+    squash = {k.lower().replace("_", ""): k for k in known}
+    wrong = loc[-1]
+    match = squash.get(wrong.lower().replace("_", "")) or next(
+        iter(difflib.get_close_matches(wrong, known, n=1, cutoff=0.75)), None
+    )
+    return f" (did you mean {match}?)" if match else ""
+
+
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     out = []
     for e in err.errors():
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _did_you_mean(tuple(e["loc"]))
         else:
             msg = e["msg"].removeprefix("Value error, ")
         out.append(FieldError(_loc_to_path(e["loc"]), msg))
     return out
-
-
-def _hosts_and_devices(job: PostTrainJob, placement: catalog.Placement) -> tuple[int, int]:
-    res = job.spec.resources
-    if res.pathways.enabled:  # one Pathways client process drives every device
-        return 1, 1
-    if placement.is_tpu:
-        hosts = placement.hosts * res.slices
-        return hosts, hosts * placement.devices_per_host
-    return res.nodes, res.nodes * max(placement.devices_per_host, 1)
 
 
 def _columns_errors(job: PostTrainJob) -> list[FieldError]:
@@ -135,6 +168,20 @@ def _lora_errors(job: PostTrainJob) -> list[FieldError]:
     return errors
 
 
+def _model_config_errors(job: PostTrainJob) -> list[FieldError]:
+    """A model's config.json at hand is input too: one that is not a model's config is
+    refused, naming the file and the key."""
+    spec = job.spec
+    sources = [("spec.model.source", spec.model.source)]
+    if spec.distill is not None:
+        sources.append(("spec.distill.teacher.source", spec.distill.teacher.source))
+    return [
+        FieldError(field, problem)
+        for field, source in sources
+        if (problem := model_shapes.config_problem(source))
+    ]
+
+
 def _images_errors(job: PostTrainJob) -> list[FieldError]:
     """Images need a checkpoint with a vision tower (the family rule is in rules.py)."""
     spec = job.spec
@@ -151,107 +198,6 @@ def _images_errors(job: PostTrainJob) -> list[FieldError]:
     return []
 
 
-def _rollout_errors(
-    job: PostTrainJob, placement: catalog.Placement
-) -> tuple[list[FieldError], int | None]:
-    """A trainer/sampler split (spec.grpo.rollout) that cannot work, and the trainer's
-    device count when it can."""
-    res = job.spec.resources
-    hosts = placement.hosts * res.slices if placement.is_tpu else res.nodes
-    if problem := rollout_split.multi_host_error(job.spec, hosts):
-        return [FieldError(*problem)], None
-    devices = rollout_split.job_devices(job, placement)
-    if devices is None:
-        return [], None
-    found, problem = rollout_split.split(job.spec, devices)
-    if problem:
-        return [FieldError(*problem)], None
-    return [], found.trainer_devices if found else None
-
-
-def semantic_errors(job: PostTrainJob) -> list[FieldError]:
-    """Checks beyond the schema: cross-field rules, the catalog, derived name lengths,
-    columns, LoRA, mounts, the batch split and the memory estimate."""
-    from posttrain.render.names import NameTooLong, check_name_lengths
-    from posttrain.render.trainer_config import size_error
-
-    spec = job.spec
-    errors = [FieldError(field, message) for field, message in rules.errors(spec)]
-    if too_large := size_error(job):
-        errors.append(FieldError("spec", too_large))
-    errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
-    if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
-        errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
-    res = spec.resources
-    if re.search(r"-0[0-9]", res.accelerator):
-        errors.append(
-            FieldError("spec.resources.accelerator", f"{res.accelerator!r}: no leading zeros")
-        )
-        return errors
-    try:
-        placement = catalog.resolve(
-            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
-        )
-    except catalog.CatalogError as e:
-        field = "spec.resources.topology" if res.topology and "topology" in str(e) else None
-        errors.append(FieldError(field or "spec.resources.accelerator", str(e)))
-        return errors
-    name = job.metadata.name
-    if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
-        errors.append(
-            FieldError(
-                "metadata.name",
-                f"{name!r} must be a DNS label: at most 63 lowercase letters, "
-                "digits and '-', starting with a letter (it names the JobSet and its Service)",
-            )
-        )
-    else:
-        try:
-            check_name_lengths(name, spec, placement)
-        except NameTooLong as e:
-            errors.append(FieldError("metadata.name", str(e)))
-    hosts, devices = _hosts_and_devices(job, placement)
-    split_errors, trainer_devices = _rollout_errors(job, placement)
-    errors += split_errors
-    if trainer_devices is not None and devices > 1:
-        devices = trainer_devices  # the trainer's mesh holds the batch
-    generations = spec.grpo.num_generations if spec.grpo else 1
-    if problem := batching.batch_split_error(
-        spec.training.batch_size, spec.training.gradient_accumulation, hosts, devices, generations
-    ):
-        errors.append(FieldError("spec.training.batchSize", problem))
-    need = capacity.sampler_need_gib(spec, placement)
-    if need is not None and need > capacity.REFUSE_ABOVE * placement.memory_gib_per_device:
-        errors.append(
-            FieldError(
-                "spec.grpo.rollout",
-                f"the sampler's share needs about {need:.1f} GiB per device (its copy of the "
-                f"model and the rollouts' KV cache) but a {placement.accelerator} device has "
-                f"{placement.memory_gib_per_device:g} GiB; give the sampler more devices",
-            )
-        )
-    estimate = capacity.estimate(spec, placement)
-    if estimate is not None and not estimate.fits:
-        errors.append(
-            FieldError("spec.resources.accelerator", capacity.refusal(spec, placement, estimate))
-        )
-    return errors
-
-
-def warnings(job: PostTrainJob) -> list[str]:
-    """What admission warns about a valid job: a memory estimate within its uncertainty,
-    or no memory check for want of a known architecture (posttrain.capacity)."""
-    res = job.spec.resources
-    try:
-        placement = catalog.resolve(
-            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
-        )
-    except catalog.CatalogError:
-        return []
-    found = capacity.warning(job.spec, placement)
-    return [printable(found)] if found else []
-
-
 def _as_json(doc: Any) -> str | None:
     """The document as the JSON kubectl would send (None when YAML-only values, such as
     binary data or sets, have no JSON form)."""
@@ -261,9 +207,42 @@ def _as_json(doc: Any) -> str | None:
         return None
 
 
-def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
-    """Parse and check a PostTrainJob document. Returns the job (when it parsed) and
-    every error found; an empty list means the job is valid."""
+def _pruned(value: Any) -> Any:
+    """`value` without null values in its mappings: the API server prunes a null where
+    the schema does not allow one, so `lora: null` or `steps: null` is no value."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+def spec_errors(job: PostTrainJob) -> list[FieldError]:
+    """The checks beyond the schema that need nothing but the API: cross-field rules,
+    a local model's config.json, columns, LoRA, images, the volume's mount path and the
+    name as a DNS label."""
+    spec = job.spec
+    errors = [FieldError(field, message) for field, message in rules.errors(spec)]
+    errors += _model_config_errors(job)
+    errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
+    if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
+        errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
+    name = job.metadata.name
+    if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
+        errors.append(
+            FieldError(
+                "metadata.name",
+                f"{name!r} must be a DNS label: at most 63 lowercase letters, "
+                "digits and '-', starting with a letter (it names the JobSet and its Service)",
+            )
+        )
+    return errors
+
+
+def parse(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
+    """Parse a PostTrainJob document as the API server reads it, with `spec_errors`.
+    Returns the job (when it parsed) and every error found. The checks that need the
+    catalog, the renderer or the memory estimate are `posttrain.checks.validate`'s."""
     if not isinstance(doc, dict):
         return None, [FieldError("(document)", "expected a PostTrainJob mapping")]
     errors: list[FieldError] = []
@@ -273,7 +252,9 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
         errors.append(FieldError("kind", f"must be {KIND}"))
     # What users write is read as strictly as the API server reads it; status is written
     # by the operator and the trainer.
-    body = _as_json({k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "status")})
+    body = _as_json(
+        {k: _pruned(v) for k, v in doc.items() if k not in ("apiVersion", "kind", "status")}
+    )
     if body is None:
         return None, errors + [FieldError("(document)", "holds values JSON cannot carry")]
     try:
@@ -287,7 +268,7 @@ def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:
             return None, errors + [
                 FieldError(f"status.{x.field}", x.message) for x in _pydantic_errors(e)
             ]
-    return job, errors + semantic_errors(job)
+    return job, errors + spec_errors(job)
 
 
 def immutable_changes(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list[FieldError]:
@@ -310,10 +291,10 @@ def load_documents(path: str | Path) -> list[Any]:
     try:
         return read_documents(path)
     except DocumentError as e:
-        raise InvalidJob([FieldError("(yaml)", str(e))], str(path)) from e
+        raise InvalidJob([FieldError(e.field, str(e))], str(path)) from e
 
 
-def _override(doc: Any, overrides: dict[str, Any]) -> None:
+def override(doc: Any, overrides: dict[str, Any]) -> None:
     """Set dotted spec paths (spec.training.steps) in a document before it is validated."""
     for path, value in overrides.items():
         node = doc
@@ -323,31 +304,3 @@ def _override(doc: Any, overrides: dict[str, Any]) -> None:
                 node[part] = {}
             node = node[part]
         node[leaf] = value
-
-
-def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> PostTrainJob:
-    """Read one PostTrainJob from a YAML file, with `overrides` (dotted paths, e.g. from
-    command-line flags) applied before it is validated; raise InvalidJob naming every
-    bad field."""
-    docs = load_documents(path)
-    if bad := [i for i, d in enumerate(docs, 1) if not isinstance(d, dict)]:
-        raise InvalidJob(
-            [
-                FieldError(f"(document {i})", "expected a mapping (a Kubernetes object)")
-                for i in bad
-            ],
-            str(path),
-        )
-    jobs = [d for d in docs if d.get("kind") == KIND] or docs
-    if len(jobs) != 1:
-        raise InvalidJob(
-            [FieldError("(document)", f"expected one PostTrainJob, found {len(jobs)}")],
-            str(path),
-        )
-    if overrides and isinstance(jobs[0], dict):
-        _override(jobs[0], overrides)
-    job, errors = validate(jobs[0])
-    if errors:
-        raise InvalidJob(errors, str(path))
-    assert job is not None
-    return job

@@ -1,1 +1,1 @@
-"""The kopf operator: thin handlers over the pure functions in phase.py and render/."""
+"""The kopf operator: thin handlers over the pure functions in phase/ and render/."""

@@ -13,6 +13,7 @@ from typing import Any
 from posttrain.controller.phase import (
     TERMINAL,
     WARNINGS,
+    Cause,
     PodState,
     WorkloadState,
     changed,
@@ -40,6 +41,7 @@ class Observed:
     jobset: dict[str, Any] | None = None  # the JobSet the job owns (by UID)
     pods: tuple[PodState, ...] = ()
     workload: WorkloadState | None = None
+    blocked: Cause | None = None  # why no pod can be made (phase.missing_priority_class)
 
 
 @dataclass
@@ -156,6 +158,7 @@ def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
         meta.get("generation"),
         observed.pods,
         observed.workload,
+        observed.blocked,
     )
     actions = status_write(previous, patch)
     actions.jobset_patch, actions.jobset_events = scheduling_update(spec, observed.jobset)

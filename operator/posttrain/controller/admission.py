@@ -1,7 +1,7 @@
 """The validating admission webhook: checks the CRD's CEL cannot express.
 
 The API server has already applied the schema and CEL rules; this runs
-`posttrain.api.validate.validate`, the same function as `posttrain validate` (the
+`posttrain.checks.validate`, the same function as `posttrain validate` (the
 accelerator catalog, derived name lengths, locations, user regexes, LoRA module names
 per family, the batch split and whether the job fits in accelerator memory), and the
 immutable-field rules on update. `admission_errors` is pure; `webhook.py` serves it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.api.validate import FieldError, immutable_changes, validate, warnings
+from posttrain.checks import FieldError, immutable_changes, validate, warnings
 
 
 def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[FieldError]:

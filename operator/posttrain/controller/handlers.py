@@ -7,7 +7,7 @@ holds the leader Lease (`Queue`).
 
 - A job's events: the job itself (created, changed, resumed after a restart, or listed
   again after the watch was lost); jobs whose JobSet is not made yet go first.
-- JobSet, pod and Kueue Workload events: the job they belong to (by the job-name label;
+- JobSet, Job, pod and Kueue Workload events: the job they belong to (by the job-name label;
   the reconcile checks ownership by UID).
 
 No timer, no finalizer (the job's objects carry owner references: the garbage collector
@@ -115,6 +115,11 @@ async def on_jobset_event(event: dict[str, Any], body: kopf.Body, **kwargs: Any)
 
 @kopf.on.event("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
 async def on_pod_event(namespace: str, labels: kopf.Labels, **kwargs: Any) -> None:
+    Queue.add((namespace, labels[JOB_NAME_LABEL]), kwargs)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={JOB_NAME_LABEL: kopf.PRESENT})
+async def on_batch_job_event(namespace: str, labels: kopf.Labels, **kwargs: Any) -> None:
     Queue.add((namespace, labels[JOB_NAME_LABEL]), kwargs)
 
 

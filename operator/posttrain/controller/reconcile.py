@@ -24,7 +24,7 @@ from typing import Any
 import kopf
 
 from posttrain.api.spec import Phase
-from posttrain.api.validate import validate
+from posttrain.checks import validate
 from posttrain.controller import kube, metrics, trainer_access, watches
 from posttrain.controller.actions import (
     Actions,
@@ -107,8 +107,9 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
     jobset = Written.newest(Written.jobsets, key, jobset)
     observed = Observed(
         jobset=jobset,
-        pods=tuple(watches.pods(indexes, namespace, name)),
+        pods=tuple(watches.pods(indexes, namespace, name, jobset)),
         workload=watches.workload(indexes, namespace, jobset),
+        blocked=watches.blocked(indexes, jobset),
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed
@@ -197,7 +198,8 @@ def apply(
         if creates_waiting():
             result.deferred = True
             return
-        actions = decide(job, Observed(jobset, observed.pods, observed.workload), _now())
+        observed = Observed(jobset, observed.pods, observed.workload, observed.blocked)
+        actions = decide(job, observed, _now())
     meta = job["metadata"]
     workload = observed.workload
     if actions.workload_active is not None and workload is not None and workload.name:

@@ -7,6 +7,9 @@ reads instead of the API server.
   ownership check and the scheduling fields need (not the pod templates);
 - a summary of each pod (`phase.pod_state`) by (namespace, job name): only pods with the
   job-name label are streamed (a server-side label selector, see `selectors`);
+- each Job of a JobSet (batch/v1, the job-name label too) by (namespace, job name): its
+  UID and its controller's, so that only pods whose owner chain leads to the job's
+  JobSet count (`phase.owned_pods`), not any pod that carries the label;
 - a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
   only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept;
 - the names of the WorkloadPriorityClasses and PriorityClasses that exist (few, cluster
@@ -54,6 +57,7 @@ def selectors(settings: kopf.OperatorSettings) -> None:
     """Server-side label selectors: the API server streams only the pods, JobSets and
     Workloads that can belong to a job, not every one in the cluster."""
     settings.watching.label_selectors[("v1", "pods")] = JOB_NAME_LABEL
+    settings.watching.label_selectors[("batch", "v1", "jobs")] = JOB_NAME_LABEL
     settings.watching.label_selectors[(JOBSET_GROUP, JOBSET_VERSION, "jobsets")] = JOB_NAME_LABEL
     settings.watching.label_selectors[(KUEUE_GROUP, KUEUE_VERSION, "workloads")] = (
         KUEUE_JOB_UID_LABEL
@@ -183,6 +187,15 @@ async def pod_index(
     return {(namespace, labels[JOB_NAME_LABEL]): state}
 
 
+@kopf.index("batch", "v1", "jobs", labels={JOB_NAME_LABEL: kopf.PRESENT})
+async def batch_job_index(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Key, Any]:
+    owned = (body["metadata"].get("uid"), phase.controller_uid(dict(body), "JobSet"))
+    shed(body)
+    return {(namespace, labels[JOB_NAME_LABEL]): owned}
+
+
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", when=jobset_owned)
 async def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
     owner = next(r for r in body["metadata"]["ownerReferences"] if r.get("kind") == "JobSet")
@@ -234,8 +247,17 @@ def jobset(indexes: dict[str, Any], namespace: str, name: str, uid: str) -> dict
     return None
 
 
-def pods(indexes: dict[str, Any], namespace: str, name: str) -> list[phase.PodState]:
-    return _values(indexes.get("pod_index"), (namespace, name))
+def pods(
+    indexes: dict[str, Any], namespace: str, name: str, jobset_body: dict[str, Any] | None
+) -> list[phase.PodState]:
+    """The pods of the job's JobSet: those whose owner chain leads to it."""
+    if jobset_body is None:
+        return []
+    return phase.owned_pods(
+        _values(indexes.get("pod_index"), (namespace, name)),
+        _values(indexes.get("batch_job_index"), (namespace, name)),
+        jobset_body["metadata"].get("uid") or "",
+    )
 
 
 def workload(
@@ -257,6 +279,11 @@ def workload(
         _names(indexes, "workload_priority_class_index"),
         _names(indexes, "priority_class_index"),
     )
+
+
+def blocked(indexes: dict[str, Any], jobset_body: dict[str, Any] | None) -> phase.Cause | None:
+    """Why the JobSet's Jobs can make no pod, as far as the indexes know."""
+    return phase.missing_priority_class(jobset_body, _names(indexes, "priority_class_index"))
 
 
 class QueuePositions:

@@ -342,7 +342,7 @@ def _pathways_jobs(job: PostTrainJob, placement: Placement, config: RenderConfig
 
 
 def render_jobset(job: PostTrainJob, placement: Placement, config: RenderConfig) -> dict:
-    """The JobSet manifest for a valid job (see `posttrain.api.validate`)."""
+    """The JobSet manifest for a valid job (see `posttrain.checks.validate`)."""
     spec = job.spec
     use_pathways = placement.is_tpu and spec.resources.pathways.enabled
     labels: dict[str, str] = {}

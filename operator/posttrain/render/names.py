@@ -66,8 +66,31 @@ def hostname_limit(rjob: str) -> int:
     return HOSTNAME_MAX if rjob in TRAINER_REPLICATED_JOBS else DNS_LABEL_MAX
 
 
+def coordinator_label(job_name: str, first_replicated_job: str) -> str:
+    """The value of JobSet's `jobset.sigs.k8s.io/coordinator` label (pod 0 of job 0)."""
+    js = jobset_name(job_name)
+    return f"{pod_hostname(js, first_replicated_job, 0, 0)}.{js}"
+
+
+def max_name_length(first_replicated_job: str) -> int:
+    """The longest job name whose coordinator label fits a label value."""
+    fixed = len(coordinator_label("", first_replicated_job))
+    return (DNS_LABEL_MAX - fixed) // 2
+
+
 def check_name_lengths(job_name: str, spec: PostTrainJobSpec, placement: Placement) -> None:
-    """Raise NameTooLong when a derived hostname would be too long (`hostname_limit`)."""
+    """Raise NameTooLong when the coordinator label (`coordinator_label`) or a derived
+    hostname (`hostname_limit`) would be too long."""
+    first = replicated_jobs(spec, placement)[0].name
+    if len(coordinator_label(job_name, first)) > DNS_LABEL_MAX:
+        allowed = max_name_length(first)
+        raise NameTooLong(
+            f"{job_name!r} is {len(job_name)} characters; JobSet labels every pod with its "
+            f"coordinator's address `<name>-{first}-0-0.<name>`, which would be "
+            f"{len(coordinator_label(job_name, first))} characters, over the "
+            f"{DNS_LABEL_MAX} a label value may have: use a name of at most {allowed} "
+            "characters"
+        )
     rjob, longest = max(
         (
             (r.name, pod_hostname(jobset_name(job_name), r.name, r.replicas - 1, r.pods - 1))

@@ -39,14 +39,32 @@ def config_text(job: PostTrainJob) -> str:
     return json.dumps(trainer_config(job), separators=(",", ":"), sort_keys=True)
 
 
-def size_error(job: PostTrainJob) -> str | None:
-    """Why the job's config does not fit in its pods' annotation; None when it does."""
-    size = len(CONFIG_ANNOTATION) + len(config_text(job).encode())
+# What the live object adds to a job read from a file: its namespace (a DNS label, at
+# most 63 characters) and its UID (36), both in the trainer config.
+_LIVE = {"namespace": "n" * 63, "uid": "u" * 36}
+
+
+def _largest(value: Any, path: str) -> str:
+    """The path of the largest field under `value` (as JSON), down through mappings."""
+    while isinstance(value, dict) and value:
+        key, value = max(value.items(), key=lambda kv: len(json.dumps(kv[1])))
+        path = f"{path}.{key}"
+    return path
+
+
+def size_error(job: PostTrainJob) -> tuple[str, str] | None:
+    """(field, why) when the job's config does not fit in its pods' annotation, on the
+    cluster too (where it carries the job's namespace and UID); None when it does. The
+    field is the largest one."""
+    config = trainer_config(job)
+    config["metadata"] = {**_LIVE, **config["metadata"]}
+    text = json.dumps(config, separators=(",", ":"), sort_keys=True)
+    size = len(CONFIG_ANNOTATION) + len(text.encode())
     if size <= CONFIG_MAX_BYTES:
         return None
-    return (
-        f"the job's trainer config is {size} bytes as JSON, over the {CONFIG_MAX_BYTES} it "
-        f"may take in its pods' annotation {CONFIG_ANNOTATION!r} (Kubernetes allows "
-        f"{ANNOTATIONS_MAX_BYTES} bytes for all of a pod's annotations): shorten its longest "
-        "lists and strings"
+    return _largest(config["spec"], "spec"), (
+        f"the job's trainer config is {size} bytes as JSON (with the namespace and UID it "
+        f"carries in a cluster), over the {CONFIG_MAX_BYTES} it may take in its pods' "
+        f"annotation {CONFIG_ANNOTATION!r} (Kubernetes allows {ANNOTATIONS_MAX_BYTES} bytes "
+        "for all of a pod's annotations): shorten this field, the largest"
     )

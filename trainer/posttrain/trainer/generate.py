@@ -28,7 +28,7 @@ from posttrain.trainer import data, lora, models, peft_format, sources, storage
 def resolve(target: str) -> str:
     """The model or adapter location a target names: a job file's export, or the target."""
     if target.endswith((".yaml", ".yml")) and Path(target).is_file():
-        from posttrain.api.validate import load_job
+        from posttrain.checks import load_job
 
         job = load_job(target)
         return storage.join(job.spec.output.uri, "hf")

@@ -16,7 +16,8 @@ import signal
 import sys
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
-from posttrain.api.validate import FieldError, InvalidJob, load_job, printable
+from posttrain.api.validate import FieldError, InvalidJob, printable
+from posttrain.checks import load_job
 
 STOPPED_EXIT_CODE = 143
 INTERRUPTED_EXIT_CODE = 130  # Ctrl-C before the first step: nothing saved

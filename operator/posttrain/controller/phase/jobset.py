@@ -1,0 +1,139 @@
+"""The JobSet's word, and its Jobs': the phase from the JobSet's conditions and its
+replicated jobs' status, with the pods' and Kueue's causes (`phase_from`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from posttrain.api.spec import USER_ERROR_EXIT_CODE, Phase
+from posttrain.controller.phase.kueue import _pod_priority_class, _queued
+from posttrain.controller.phase.model import Cause, Observation, PodState, WorkloadState, _true
+from posttrain.render.jobset import KUEUE_QUEUE_LABEL
+
+
+def _condition(jobset: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return _true(jobset, ctype)
+
+
+def missing_priority_class(
+    jobset: dict[str, Any] | None, priority_classes: Collection[str] | None
+) -> Cause | None:
+    """Why a JobSet outside Kueue has no pods, when the PriorityClass its pods name does
+    not exist: the Job controller creates none (the API server refuses each, `no
+    PriorityClass with name X was found`) and says so only in the Job's Events. None
+    when nothing says so (`priority_classes`: the names that exist, None: not known)."""
+    if jobset is None or priority_classes is None:
+        return None
+    if (jobset.get("metadata", {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL):
+        return None  # Kueue's case: without_workload
+    name = _pod_priority_class(jobset)
+    if not name or name in priority_classes:
+        return None
+    return Cause(
+        "PriorityClassNotFound",
+        f'PriorityClass.scheduling.k8s.io "{name}" not found: the Job controller creates no '
+        "pods until it exists (spec.scheduling.priorityClass)",
+        1,
+    )
+
+
+def _leader(jobset: dict[str, Any]) -> tuple[str, int, int]:
+    """The first replicated job's name, its pods per Job, and its Jobs."""
+    first = (jobset.get("spec", {}).get("replicatedJobs") or [{}])[0]
+    pods = int(((first.get("template") or {}).get("spec") or {}).get("parallelism") or 1)
+    return first.get("name", ""), pods, int(first.get("replicas", 1))
+
+
+def _expected_pods(jobset: dict[str, Any]) -> int:
+    return sum(
+        int(r.get("replicas", 1))
+        * int(((r.get("template") or {}).get("spec") or {}).get("parallelism") or 1)
+        for r in jobset.get("spec", {}).get("replicatedJobs", [])
+    )
+
+
+def phase_from(
+    jobset: dict[str, Any] | None,
+    user_suspended: bool,
+    pods: Iterable[PodState] = (),
+    workload: WorkloadState | None = None,
+    blocked: Cause | None = None,
+) -> Observation:
+    """The phase that a JobSet, its pods and its Workload mean for the PostTrainJob;
+    `blocked`: why no pod can be made (`missing_priority_class`)."""
+    if jobset is None:
+        return Observation(Phase.pending, "Creating", "creating the JobSet")
+    status = jobset.get("status") or {}
+    restarts = int(status.get("restarts") or 0)
+    # Pods of an earlier attempt are on their way out.
+    pods = [p for p in pods if p.attempt is None or p.attempt == restarts]
+    causes = sorted((p.cause for p in pods if p.cause), key=lambda c: c.rank)
+    if c := _condition(jobset, "Completed"):
+        return Observation(
+            Phase.succeeded, "Completed", c.get("message") or "training finished", restarts
+        )
+    if c := _condition(jobset, "Failed"):
+        if c.get("reason") == "FailJobSetFailurePolicyAction":
+            # Only the UserError rule fails the JobSet at once (see render.jobset).
+            return Observation(
+                Phase.failed,
+                "InvalidInput",
+                f"the trainer exited with code {USER_ERROR_EXIT_CODE}: an error in the job's "
+                "own input (data, model or config) that a restart cannot fix; its log names "
+                f"the field or file ({c.get('message', '')})",
+                restarts,
+            )
+        message = c.get("message") or "JobSet failed"
+        if causes and causes[0].rank == 0:
+            return Observation(
+                Phase.failed, causes[0].reason, f"{causes[0].message} ({message})", restarts
+            )
+        return Observation(Phase.failed, c.get("reason") or "JobSetFailed", message, restarts)
+    if user_suspended and (
+        jobset.get("spec", {}).get("suspend") or (workload is not None and workload.name)
+    ):
+        # With Kueue, Suspended from the user's word on: Kueue may start the JobSet once
+        # more before it sees the Workload deactivated, and then stops it for good.
+        return Observation(
+            Phase.suspended, "Suspended", "suspended by spec.scheduling.suspend", restarts
+        )
+    if jobset.get("spec", {}).get("suspend"):
+        if jobset.get("metadata", {}).get("labels", {}).get(KUEUE_QUEUE_LABEL):
+            return _queued(jobset, workload, restarts)
+        return Observation(Phase.suspended, "Suspended", "the JobSet is suspended", restarts)
+    if workload is not None and not workload.admitted:
+        # Kueue has not admitted it (or evicted it) and suspends it again: a user's resume
+        # before admission, or an eviction on its way. Queued, not a moment of Pending.
+        return _queued(jobset, workload, restarts)
+    leader, leader_pods, leader_jobs = _leader(jobset)
+    expected = _expected_pods(jobset)
+    up = sum(1 for p in pods if p.running or p.done)
+    leader_up = sum(
+        1 for p in pods if p.replicated_job == leader and p.job_index == 0 and (p.running or p.done)
+    )
+    # Ready Jobs have all their pods ready, so running: the JobSet may know before the
+    # pods' own events arrive.
+    jobs = {r.get("name"): r for r in status.get("replicatedJobsStatus") or []}
+    ready_jobs = int(jobs.get(leader, {}).get("ready") or 0) + int(
+        jobs.get(leader, {}).get("succeeded") or 0
+    )
+    if pods:
+        count = f"{up} of {expected} pods running"
+    else:
+        count = f"{ready_jobs} of {leader_jobs} {leader} jobs ready"
+    if leader_up >= leader_pods or ready_jobs >= leader_jobs:
+        return Observation(Phase.running, "Running", count, restarts)
+    waiting = causes[0] if causes else blocked
+    if restarts:
+        return Observation(
+            Phase.restarting,
+            waiting.reason if waiting else "Restarting",
+            f"restart {restarts}: {waiting.message if waiting else count}",
+            restarts,
+        )
+    if waiting:
+        return Observation(Phase.pending, waiting.reason, waiting.message, restarts)
+    if pods:
+        return Observation(Phase.pending, "PodsStarting", count, restarts)
+    return Observation(Phase.pending, "WaitingForPods", "waiting for pods to start", restarts)
