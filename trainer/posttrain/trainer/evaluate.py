@@ -2,7 +2,7 @@
 
 Every spec.eval.everySteps steps and at the last step, `Evaluation.run` measures the
 model on a fixed list of held-out batches, read once at the start: the same rows on
-every host and never trained on (`data.read_train_and_eval`). Batches have
+every host and never trained on (`data.open_train_and_eval`). Batches have
 spec.training.batchSize rows and are split over hosts like training batches, so each
 evaluation reuses one compiled program. Nothing here draws randomness or changes the
 model: a run with eval trains exactly as one without.
@@ -84,9 +84,10 @@ class Evaluation:
 
 
 def held_out_batches(
-    spec: Any, rows: data.RowSource, process_index: int, process_count: int
+    spec: Any, rows: data.Rows, process_index: int, process_count: int
 ) -> list[dict[str, np.ndarray]]:
-    """This host's share of the held-out batches, in the files' order."""
+    """This host's share of the held-out batches, in the files' order (unpacked: each
+    held-out example once)."""
     batch_size = spec.training.batch_size
     if len(rows) < batch_size:
         raise data.DataError(
@@ -100,6 +101,7 @@ def held_out_batches(
         process_index=process_index,
         process_count=process_count,
         shuffle=False,
+        threads=0,
     )
     count = min(spec.eval.max_batches, loader.steps_per_epoch)
     return list(loader.take(count))
@@ -108,7 +110,7 @@ def held_out_batches(
 def build(
     spec: Any,
     tokenizer: data.Tokenizer,
-    held_out: data.RawDataset | None,
+    held_out: data.Records | data.RecordsView | None,
     process: Any,
     measure: Measure,
     summarize: Summarize,

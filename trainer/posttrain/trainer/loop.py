@@ -50,6 +50,7 @@ from posttrain.trainer.progress import Progress, StatusWriter
 
 log = logging.getLogger("posttrain.trainer")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+DATA_INDEX = "data-index"  # under output.uri: cached offset indexes of jsonl data
 
 
 @dataclass
@@ -159,7 +160,7 @@ class RunSetup:
     policy: Policy
     tokenizer: data.Tokenizer
     loader: data.DataLoader
-    held_out: data.RawDataset | None
+    held_out: data.Records | data.RecordsView | None
     started: tuple[float, float]  # (monotonic, wall clock) when setup began: goodput
 
     def optimizer(self) -> nnx.Optimizer:
@@ -239,15 +240,27 @@ def setup_run(
 
 def build_data(
     spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
-) -> tuple[data.DataLoader, data.RawDataset | None]:
-    """This host's training loader, and the held-out data of spec.eval (or None)."""
-    ds, held_out = data.read_train_and_eval(spec)
+) -> tuple[data.DataLoader, data.Records | data.RecordsView | None]:
+    """This host's training loader, and the held-out rows of spec.eval (or None). Nothing
+    is read but what finds the rows; jsonl offset indexes are cached under
+    output.uri/data-index (built by process 0)."""
+    train_rows, held_out = data.open_train_and_eval(
+        spec,
+        index_dir=storage.join(spec.output.uri, DATA_INDEX),
+        process_index=process.process_id,
+    )
     loader = data.build_loader(
         spec,
         tokenizer,
         process_index=process.process_id,
         process_count=process.num_processes,
-        rows=data.build_rows(spec, tokenizer, ds),
+        rows=data.build_rows(spec, tokenizer, train_rows),
+    )
+    log.info(
+        "data: %d rows, %d per host a step%s",
+        len(train_rows),
+        loader.per_host_batch_size,
+        ", packed" if loader.packing else "",
     )
     return loader, held_out
 
@@ -339,6 +352,7 @@ def run_steps(
                     "learning_rate": float(schedule(result.step - 1)),
                     **{k: float(v) for k, v in out.items()},
                     "tokens_per_second": window_tokens / elapsed,
+                    **{f"data/{k}": v for k, v in loader.metrics().items()},
                 }
                 result.losses[result.step] = metrics["loss"]
                 window_start, window_tokens = time.monotonic(), 0
