@@ -412,8 +412,7 @@ def test_packing_streams_segments_positions_and_fill(tok, sft_rows):
 def epoch_ids(loader: DataLoader, steps: int | None = None) -> list[list[int]]:
     """Row indices of each step of the loader's next `steps` (default: an epoch's)."""
     return [
-        [int(i) for i in next(loader)["row_index"]]
-        for _ in range(steps or loader.steps_per_epoch)
+        [int(i) for i in next(loader)["row_index"]] for _ in range(steps or loader.steps_per_epoch)
     ]
 
 

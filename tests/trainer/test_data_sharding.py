@@ -15,7 +15,22 @@ import pytest
 from posttrain.trainer.data import DataLoader, Rows, SftBatcher, SftTokenizer, open_records
 from tests.trainer.data_helpers import make_tokenizer_dir
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "red",
+    "birds",
+    "sing",
+]
 
 
 @pytest.fixture(scope="module")

@@ -68,9 +68,7 @@ def sft_conversation(row: Row, columns: Any, messages: bool) -> list[dict[str, A
     """A row as a conversation: its messages column (`messages`), else prompt and
     completion as a user turn and an assistant turn."""
     if messages:
-        msgs = as_messages(
-            _messages_value(row, columns.messages), "user", Where(row), "messages"
-        )
+        msgs = as_messages(_messages_value(row, columns.messages), "user", Where(row), "messages")
         if not any(m.get("role") == "assistant" for m in msgs):
             raise DataError(
                 f"{row.where}: column {columns.messages!r} (spec.data.columns.messages)"

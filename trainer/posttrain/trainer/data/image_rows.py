@@ -109,9 +109,7 @@ class ImageBatcher:
         """The processed images of a row (read now: missing or broken ones fail here,
         naming the row and the column)."""
         where = row.where
-        return [
-            self.processor(images.load_image(v, self.base, where, self.column)) for v in values
-        ]
+        return [self.processor(images.load_image(v, self.base, where, self.column)) for v in values]
 
     def batch(self, rows: Sequence[Row], max_images: int | None = None) -> Batch:
         """The rows' batch; `images` holds max_images per row (default: the most any of

@@ -265,9 +265,7 @@ def open_records(
     return records
 
 
-def held_out_split(
-    records: Records, fraction: float, seed: int
-) -> tuple[RecordsView, RecordsView]:
+def held_out_split(records: Records, fraction: float, seed: int) -> tuple[RecordsView, RecordsView]:
     """(training rows, held-out rows): round(fraction * n) rows (at least one, at most
     n - 1), the first positions of a Feistel permutation seeded by `seed` (the same on
     every host, nothing read). The held-out rows keep the files' order; the training

@@ -119,9 +119,7 @@ class JsonlFile(RecordFile):
 
     fmt = "jsonl"
 
-    def __init__(
-        self, path: str, index_dir: str | None = None, *, process_index: int = 0
-    ) -> None:
+    def __init__(self, path: str, index_dir: str | None = None, *, process_index: int = 0) -> None:
         super().__init__()
         self.path = path
         self._offsets = self._index(index_dir, process_index)
