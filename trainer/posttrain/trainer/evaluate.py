@@ -53,6 +53,7 @@ class Evaluation:
     prompts: list[str] = field(default_factory=list)
     generate: Callable[[str], str] | None = None
     history: History | None = None
+    groups: list[tuple[str, int, int]] = field(default_factory=list)  # (source, batches)
 
     def resume(self, output_uri: str, step: int) -> None:
         """Continue eval.json under output_uri from a run restored at step."""
@@ -70,17 +71,28 @@ class Evaluation:
         return scores
 
     def run(self) -> dict[str, float]:
-        sums: dict[str, float] = {"batches": float(len(self.batches))}
-        for batch in self.batches:
-            for key, value in self.measure(batch).items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-        return self.summarize(sums)
+        """The metrics over every held-out batch, and per source (<source>/<metric>)
+        for a mixture's."""
+        measured = [self.measure(batch) for batch in self.batches]
+        scores = self.summarize(_sums(measured))
+        for name, start, end in self.groups:
+            for key, value in self.summarize(_sums(measured[start:end])).items():
+                scores[f"{name}/{key}"] = value
+        return scores
 
     def samples(self) -> list[tuple[str, str]]:
         """(prompt, greedy completion) for the sample prompts."""
         if self.generate is None:
             return []
         return [(prompt, self.generate(prompt)) for prompt in self.prompts]
+
+
+def _sums(measured: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = {"batches": float(len(measured))}
+    for quantities in measured:
+        for key, value in quantities.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return sums
 
 
 def held_out_batches(
@@ -116,15 +128,23 @@ def build(
     summarize: Summarize,
     model: nnx.Module,
 ) -> Evaluation | None:
-    """The job's Evaluation (None without spec.eval)."""
+    """The job's Evaluation (None without spec.eval). `held_out` is the held-out rows, or
+    a mixture's [(source, rows)]: each source is measured alone too."""
     if held_out is None:
         return None
     settings = spec.eval
-    rows = data.build_rows(spec, tokenizer, held_out)
-    batches = held_out_batches(spec, rows, process.process_id, process.num_processes)
+    named = held_out if isinstance(held_out, list) else [("", held_out)]
+    batches: list[dict[str, np.ndarray]] = []
+    groups: list[tuple[str, int, int]] = []
+    for name, records in named:
+        rows = data.build_rows(spec, tokenizer, records)
+        start = len(batches)
+        batches += held_out_batches(spec, rows, process.process_id, process.num_processes)
+        if name and len(named) > 1:
+            groups.append((name, start, len(batches)))
     log.info(
         "held-out evaluation: %d rows, %d batches of %d every %s",
-        len(rows),
+        sum(len(r) for _, r in named),
         len(batches),
         spec.training.batch_size,
         f"{settings.every_steps} steps" if settings.every_steps else "run (at the end)",
@@ -132,9 +152,11 @@ def build(
     prompts: list[str] = []
     generate = None
     if settings.samples:
-        prompts = data.generation_prompts(spec, tokenizer, held_out, settings.samples)
+        prompts = data.generation_prompts(spec, tokenizer, named[0][1], settings.samples)
         generate = _greedy(model, tokenizer, settings.max_new_tokens)
-    return Evaluation(settings.every_steps, batches, measure, summarize, prompts, generate)
+    return Evaluation(
+        settings.every_steps, batches, measure, summarize, prompts, generate, groups=groups
+    )
 
 
 def _greedy(model: nnx.Module, tokenizer: data.Tokenizer, max_new_tokens: int):

@@ -160,7 +160,7 @@ class RunSetup:
     policy: Policy
     tokenizer: data.Tokenizer
     loader: data.DataLoader
-    held_out: data.Records | data.RecordsView | None
+    held_out: Any  # Records, or [(source name, Records)] of a mixture; None: no spec.eval
     started: tuple[float, float]  # (monotonic, wall clock) when setup began: goodput
 
     def optimizer(self) -> nnx.Optimizer:
@@ -240,25 +240,31 @@ def setup_run(
 
 def build_data(
     spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
-) -> tuple[data.DataLoader, data.Records | data.RecordsView | None]:
-    """This host's training loader, and the held-out rows of spec.eval (or None). Nothing
+) -> tuple[data.DataLoader, Any]:
+    """This host's training loader, and the held-out rows of spec.eval (or None; per
+    source for a mixture). Nothing
     is read but what finds the rows; jsonl offset indexes are cached under
     output.uri/data-index (built by process 0)."""
-    train_rows, held_out = data.open_train_and_eval(
-        spec,
-        index_dir=storage.join(spec.output.uri, DATA_INDEX),
-        process_index=process.process_id,
-    )
+    where = {"index_dir": storage.join(spec.output.uri, DATA_INDEX)}
+    where["process_index"] = process.process_id
+    if spec.data.sources:  # a weighted mixture
+        parts, held_out = data.open_mixture(spec, **where)
+        rows: Any = data.MixedRows(
+            [(name, data.build_rows(spec, tokenizer, r), w) for name, r, w in parts]
+        )
+    else:
+        train_rows, held_out = data.open_train_and_eval(spec, **where)
+        rows = data.build_rows(spec, tokenizer, train_rows)
     loader = data.build_loader(
         spec,
         tokenizer,
         process_index=process.process_id,
         process_count=process.num_processes,
-        rows=data.build_rows(spec, tokenizer, train_rows),
+        rows=rows,
     )
     log.info(
         "data: %d rows, %d per host a step%s",
-        len(train_rows),
+        len(rows),
         loader.per_host_batch_size,
         ", packed" if loader.packing else "",
     )
@@ -473,6 +479,10 @@ def gcs_locations(spec: Any) -> list[tuple[str, str]]:
     candidates = [
         ("spec.model.source", spec.model.source),
         ("spec.data.source", spec.data.source),
+        *(
+            (f"spec.data.sources[{k}].source", entry.source)
+            for k, entry in enumerate(spec.data.sources or [])
+        ),
         ("spec.eval.source", spec.eval.source if spec.eval else None),
         ("spec.distill.teacher.source", teacher.source if teacher else None),
         ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None),

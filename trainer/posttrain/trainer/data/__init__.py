@@ -26,6 +26,7 @@ from posttrain.trainer.data.formatting import (
     uses_messages,
 )
 from posttrain.trainer.data.loader import DataLoader, build_loader
+from posttrain.trainer.data.mixing import MixedRows, mixed_counts, open_mixture
 from posttrain.trainer.data.reading import (
     Records,
     RecordsView,
@@ -52,6 +53,7 @@ __all__ = [
     "DataError",
     "DataLoader",
     "Example",
+    "MixedRows",
     "PreferenceBatcher",
     "PromptBatcher",
     "Records",
@@ -68,6 +70,8 @@ __all__ = [
     "generation_prompts",
     "held_out_split",
     "load_tokenizer",
+    "mixed_counts",
+    "open_mixture",
     "open_records",
     "open_train_and_eval",
     "pack_examples",

@@ -33,6 +33,7 @@ import numpy as np
 
 from posttrain.api.batching import batch_split_error
 from posttrain.trainer.data.errors import DataError
+from posttrain.trainer.data.mixing import mixed_counts, parts_of
 from posttrain.trainer.data.rows import Batch, Rows, SftBatcher, build_rows, pack_examples
 from posttrain.trainer.data.tokenizer import Tokenizer
 
@@ -101,16 +102,45 @@ class DataLoader:
         self.window = min(window, len(rows))
         self.threads, self.prefetch = threads, prefetch
         self.gather = gather or (_allgather_json if P > 1 else (lambda v: [v]))
-        order = grain.MapDataset.range(len(rows))
-        if shuffle:
-            order = order.shuffle(seed=seed)
-        self.order = order.repeat()
+        self.parts, self.names, self.weights = parts_of(rows)
+        self.base = [0] * len(self.parts)  # rows of each source drawn before position 0
+        self.order = self._order()
         self.rows_emitted = 0
         self.real_tokens = 0
         self._it: Iterator[Any] | None = None
         self._position = 0  # unpacked: global examples consumed
         self._queue: list[list[int]] = []  # packed: windows to do first, as [w, rows done]
         self._next, self._stride = process_index, P  # packed: then windows next, next+stride
+
+    def _order(self) -> grain.MapDataset:
+        """(source, row) at each global position: every source's rows shuffled per epoch
+        (seed + source) and repeated, from its base; mixed by weight."""
+        orders = []
+        for s, part in enumerate(self.parts):
+            order = grain.MapDataset.range(len(part))
+            if self.shuffle:
+                order = order.shuffle(seed=self.seed + s)
+            order = order.repeat()
+            if self.base[s]:
+                order = order[self.base[s] :]
+            orders.append(order.map(lambda i, s=s: (s, int(i))))
+        if self.weights is None:
+            return orders[0]
+        return grain.MapDataset.mix(orders, self.weights)
+
+    def source_counts(self) -> dict[str, int]:
+        """Rows drawn from each source so far (all hosts; unpacked: exact)."""
+        position = self._position if not self.packing else self._packed_position()
+        if self.weights is None:
+            counts = [position]
+        else:
+            counts = mixed_counts(position, self.weights)
+        return {n: b + c for n, b, c in zip(self.names, self.base, counts, strict=True)}
+
+    def _packed_position(self) -> int:
+        """The start of the first window this host has not finished (packed)."""
+        first = min([q[0] for q in self._queue] + [self._next])
+        return first * self.window
 
     # ----------------------------------------------------------------- geometry
 
@@ -129,15 +159,19 @@ class DataLoader:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The rows in the order of an epoch (the same on every host); for tests and
-        small data only: it holds one index per row."""
+        small data of one source only: it holds one index per row."""
         n = len(self.rows)
-        return np.fromiter((self.order[epoch * n + i] for i in range(n)), np.int64, count=n)
+        return np.fromiter((self.order[epoch * n + i][1] for i in range(n)), np.int64, count=n)
 
-    def host_indices(self, position: int) -> list[int]:
-        """Rows this host takes for the (unpacked) step starting at global `position`."""
+    def host_keys(self, position: int) -> list[tuple[int, int]]:
+        """(source, row) this host takes for the (unpacked) step starting at global
+        `position`."""
         b = self.per_host_batch_size
         start = position + self.process_index * b
-        return [int(self.order[start + j]) for j in range(b)]
+        return [self.order[start + j] for j in range(b)]
+
+    def read(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        return [self.parts[s].records[i] for s, i in keys]
 
     # ------------------------------------------------------------------ batches
 
@@ -171,18 +205,19 @@ class DataLoader:
         return iter(steps.to_iter_dataset(self._read_options()))
 
     def _host_batch(self, position: int) -> Batch:
-        indices = self.host_indices(position)
-        rows = self.rows.read(indices)
+        keys = self.host_keys(position)
+        rows = self.read(keys)
         batcher = self.rows.batcher
         if hasattr(batcher, "image_count"):  # every host pads to the step's most images
-            B, counts = self.batch_size, []
-            for j in range(B):
-                i = int(self.order[position + j])
-                counts.append(batcher.image_count(self.rows.records[i]))
+            B = self.batch_size
+            step_rows = self.read([self.order[position + j] for j in range(B)])
+            counts = [batcher.image_count(row) for row in step_rows]
             batch = batcher.batch(rows, max_images=max([*counts, 1]))
         else:
             batch = batcher.batch(rows)
-        batch["row_index"] = np.asarray(indices, dtype=np.int32)
+        batch["row_index"] = np.asarray([i for _, i in keys], dtype=np.int32)
+        if self.weights is not None:
+            batch["source_index"] = np.asarray([s for s, _ in keys], dtype=np.int32)
         return batch
 
     # ------------------------------------------------------------------ packing
@@ -190,9 +225,9 @@ class DataLoader:
     def window_rows(self, w: int) -> list[list[Any]]:
         """Window w packed: its examples' rows, best fit, in order of first example."""
         W = self.window
-        indices = [int(self.order[w * W + j]) for j in range(W)]
+        rows = self.read([self.order[w * W + j] for j in range(W)])
         batcher: SftBatcher = self.rows.batcher
-        examples = [e for e in batcher.tokenize(self.rows.read(indices)) if e is not None]
+        examples = [e for e in batcher.tokenize(rows) if e is not None]
         packed = pack_examples([len(e) for e in examples], batcher.max_length)
         return [[examples[k] for k in members] for members in packed]
 
@@ -250,6 +285,8 @@ class DataLoader:
         """The position of the next batch (JSON; the same on every host). Packed: an
         all-gather of every host's window queue (every host must call it)."""
         state: dict[str, Any] = {"num_rows": len(self.rows), "batch_size": self.batch_size}
+        if self.weights is not None:
+            state["mixture"] = {"names": self.names, "weights": self.weights, "base": self.base}
         if not self.packing:
             return {**state, "position": self._position}
         hosts = self.gather(self.host_state())
@@ -269,7 +306,9 @@ class DataLoader:
                 window, hosts = int(packing["window"]), list(packing["hosts"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a data loader state: {state!r}") from e
-        if rows_then is not None and int(rows_then) != len(self.rows):
+        if "mixture" in state or self.weights is not None:
+            position = self._continue_mixture(state, position, hosts if position is None else None)
+        elif rows_then is not None and int(rows_then) != len(self.rows):
             log.warning(
                 "the data has %d rows but the checkpoint was taken with %d: the data "
                 "changed, so training cannot resume at the same examples",
@@ -295,6 +334,30 @@ class DataLoader:
             return
         self._queue, self._next, self._stride = _deal(hosts, self.process_index, self.process_count)
 
+    def _continue_mixture(
+        self, state: Mapping[str, Any], position: int | None, hosts: list | None
+    ) -> int | None:
+        """Take a mixture's per-source position from `state`; returns the global position
+        to continue from (None: the packed hosts' queues stand as saved). With other
+        weights or sources, every source continues from the rows it had drawn."""
+        mixture = state.get("mixture") or {"names": ["data"], "weights": [1.0], "base": [0]}
+        names, weights = list(mixture["names"]), [float(w) for w in mixture["weights"]]
+        if names == self.names and weights == (self.weights or [1.0]):
+            self.base = [int(b) for b in mixture["base"]]
+            self.order = self._order()
+            return position
+        if position is None:  # packed: from the first window any host left unfinished
+            first = min(min([q[0] for q in h["queue"]] + [h["next"]]) for h in hosts)
+            position = first * int(state["packing"]["window"])
+            log.warning("the mixture changed while packing: rows of partly used windows may repeat")
+        drawn = dict(zip(names, mixture["base"], strict=True))
+        for name, count in zip(names, mixed_counts(position, weights), strict=True):
+            drawn[name] = int(drawn[name]) + count
+        log.info("mixture changed %s -> %s: continuing every source", weights, self.weights)
+        self.base = [int(drawn.get(name, 0)) for name in self.names]
+        self.order = self._order()
+        return 0
+
     def _close(self) -> None:
         close = getattr(self._it, "close", None)
         if close is not None:
@@ -302,10 +365,15 @@ class DataLoader:
         self._it = None
 
     def metrics(self) -> dict[str, float]:
-        """Numbers for TensorBoard: fill_ratio (share of row tokens that are real)."""
-        if not self.rows_emitted or not isinstance(self.rows.batcher, SftBatcher):
-            return {}
-        return {"fill_ratio": self.real_tokens / (self.rows_emitted * self.rows.batcher.max_length)}
+        """Numbers for TensorBoard: fill_ratio (share of row tokens that are real), and
+        rows drawn from each source of a mixture (source/<name>)."""
+        out: dict[str, float] = {}
+        if self.rows_emitted and isinstance(self.rows.batcher, SftBatcher):
+            length = self.rows.batcher.max_length
+            out["fill_ratio"] = self.real_tokens / (self.rows_emitted * length)
+        if self.weights is not None:
+            out.update({f"source/{k}": float(v) for k, v in self.source_counts().items()})
+        return out
 
 
 def _deal(hosts: Sequence[Mapping[str, Any]], p: int, count: int) -> tuple[list, int, int]:
