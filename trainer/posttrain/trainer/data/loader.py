@@ -171,7 +171,16 @@ class DataLoader:
         return [self.order[start + j] for j in range(b)]
 
     def read(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        return [self.parts[s].records[i] for s, i in keys]
+        """The rows of (source, row) keys, in order; each source's read in one batch."""
+        out: list[Any] = [None] * len(keys)
+        by_source: dict[int, list[int]] = {}
+        for k, (s, _) in enumerate(keys):
+            by_source.setdefault(s, []).append(k)
+        for s, ks in by_source.items():
+            rows = self.parts[s].records.read_many([keys[k][1] for k in ks])
+            for k, row in zip(ks, rows, strict=True):
+                out[k] = row
+        return out
 
     # ------------------------------------------------------------------ batches
 

@@ -74,6 +74,24 @@ class Records:
         f, j = self._locate(i)
         return Row(int(i), f.read(j), self)
 
+    def read_many(self, indices: Sequence[int]) -> list[Row]:
+        """Rows by index, in that order, read a file at a time (one call per file for
+        formats that read in batches)."""
+        out: list[Row | None] = [None] * len(indices)
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for k, i in enumerate(indices):
+            i = int(i)
+            if not 0 <= i < len(self):
+                raise IndexError(f"row {i} of {len(self)}")
+            f = int(np.searchsorted(self._starts, i, side="right")) - 1
+            by_file.setdefault(f, []).append((k, i))
+        for f, wanted in by_file.items():
+            start = int(self._starts[f])
+            values = self.files[f].read_many([i - start for _, i in wanted])
+            for (k, i), v in zip(wanted, values, strict=True):
+                out[k] = Row(i, v, self)
+        return out  # type: ignore[return-value]
+
     def where(self, i: int) -> str:
         """'file:line' (jsonl) or 'file (row n)' of row i, for error messages."""
         f, j = self._locate(i)
@@ -136,6 +154,10 @@ class RecordsView:
     def __getitem__(self, i: int) -> Row:
         row = self.records[self.origin(i)]
         return Row(int(i), row.values, self)
+
+    def read_many(self, indices: Sequence[int]) -> list[Row]:
+        rows = self.records.read_many([self.origin(int(i)) for i in indices])
+        return [Row(int(i), r.values, self) for i, r in zip(indices, rows, strict=True)]
 
     def where(self, i: int) -> str:
         return self.records.where(self.origin(i))

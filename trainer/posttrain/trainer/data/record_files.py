@@ -47,6 +47,10 @@ class RecordFile:
     def read(self, i: int) -> dict[str, Any]:
         raise NotImplementedError
 
+    def read_many(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Rows by index, in that order (formats that read in batches override it)."""
+        return [self.read(i) for i in indices]
+
     def where(self, i: int) -> str:
         return f"{self.path} (row {i})"
 
@@ -359,28 +363,33 @@ class ArrowFile(RecordFile):
 
 
 class ArrayRecordFile(RecordFile):
-    """An ArrayRecord file (Grain's ArrayRecordDataSource): one JSON object (UTF-8) a
-    record, read by index."""
+    """An ArrayRecord file: one JSON object (UTF-8) a record, read by index without
+    readahead, a batch of rows in one call. Files written with group_size 1 (what Grain
+    recommends) keep one index entry a record in memory; a larger group_size (64-128)
+    keeps that index small for files of many millions of rows, each read then
+    decompressing its group."""
 
     fmt = "arrayrecord"
 
     def __init__(self, path: str) -> None:
         super().__init__()
-        from grain.sources import ArrayRecordDataSource
+        from array_record.python.array_record_module import ArrayRecordReader
 
         self.path = path
+        local = path
+        if storage.is_gcs(path):  # the reader takes local files: fetch it once
+            local = _local_copy(path)
         try:
-            self._source = ArrayRecordDataSource([path])
+            self._reader = ArrayRecordReader(local, "readahead_buffer_size:0")
         except Exception as e:  # noqa: BLE001 - the C++ reader raises plain errors
             raise DataError(f"{path}: not a readable ArrayRecord file: {e}") from None
-        self.columns = list(self.read(0)) if len(self) else []
-        self.bytes_read = 0
+        self._length = int(self._reader.num_records())
+        self.columns = list(self.read(0)) if self._length else []
 
     def __len__(self) -> int:
-        return len(self._source)
+        return self._length
 
-    def read(self, i: int) -> dict[str, Any]:
-        raw = self._source[i]
+    def _row(self, i: int, raw: bytes) -> dict[str, Any]:
         self._count(len(raw))
         try:
             row = json.loads(raw)
@@ -389,3 +398,21 @@ class ArrayRecordFile(RecordFile):
         if not isinstance(row, dict):
             raise _not_an_object(self.where(i), row)
         return row
+
+    def read(self, i: int) -> dict[str, Any]:
+        return self.read_many([i])[0]
+
+    def read_many(self, indices: list[int]) -> list[dict[str, Any]]:
+        raws = self._reader.read([int(i) for i in indices])
+        return [self._row(i, raw) for i, raw in zip(indices, raws, strict=True)]
+
+
+def _local_copy(path: str) -> str:
+    """A local copy of a gs:// file under the temporary directory (kept for the run)."""
+    import tempfile
+
+    key = hashlib.sha1(path.encode()).hexdigest()[:16]
+    local = os.path.join(tempfile.gettempdir(), f"posttrain-{key}-{storage.basename(path)}")
+    if not os.path.exists(local):
+        storage.write_bytes(local, storage.read_bytes(path))
+    return local

@@ -44,7 +44,7 @@ class Rows:
         return isinstance(self.batcher, SftBatcher)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> list[Row]:
-        return [self.records[int(i)] for i in indices]
+        return self.records.read_many([int(i) for i in indices])
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
         """The batch of these rows (row i of the batch is row indices[i])."""
