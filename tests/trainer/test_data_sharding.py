@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.trainer.data import DataLoader, Rows, SftBatcher, SftTokenizer, open_records
+from posttrain.trainer.data import (
+    DataError,
+    DataLoader,
+    Rows,
+    SftBatcher,
+    SftTokenizer,
+    open_records,
+)
 from tests.trainer.data_helpers import make_tokenizer_dir
 
 WORDS = [
@@ -143,3 +150,34 @@ def test_packed_resume_on_another_host_count_repeats_and_skips_nothing(
     again, _, _ = run_hosts(rows, after, 2, final)
     more, _, _ = run_hosts(rows, after, 7, state)
     assert more[len(second) :] == again
+
+
+def test_bad_rows_deep_in_a_file_are_named_when_reached_or_skipped(tok, tmp_path):
+    lines = [json.dumps({"prompt": f"q {i}?", "completion": f"a {i}."}) for i in range(40)]
+    lines[25] = '{"prompt": "cut off'  # invalid JSON on line 26
+    lines[30] = json.dumps({"prompt": "no completion"})  # line 31
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    def loader(max_bad_rows: int) -> DataLoader:
+        return DataLoader(
+            host_rows(path, tok, tmp_path / "index"),
+            batch_size=4,
+            shuffle=False,
+            max_bad_rows=max_bad_rows,
+        )  # prefetching threads: the error still reaches the caller as one line
+
+    strict = loader(0)
+    for _ in range(6):  # rows 0-23 are fine
+        next(strict)
+    with pytest.raises(DataError, match=rf"^{path}:26: invalid JSON"):
+        next(strict)
+    lenient = loader(2)
+    batches = [next(lenient) for _ in range(10)]
+    assert lenient.bad_rows == 2 and lenient.metrics()["bad_rows"] == 2.0
+    assert not batches[6]["loss_mask"][1].any() and not batches[7]["loss_mask"][2].any()
+    assert all(batches[6]["loss_mask"][r].any() for r in (0, 2, 3))
+    over = loader(1)
+    with pytest.raises(DataError, match=rf"{path}:31: .*\(2 malformed rows, more than spec"):
+        for _ in range(10):
+            next(over)

@@ -736,6 +736,9 @@ class Progress(KubeModel):
     tokens_per_second: float | None = None
     """Throughput over the last logging interval."""
 
+    bad_rows: int | None = None
+    """Malformed data rows skipped so far by process 0 (spec.data.maxBadRows)."""
+
     eta_seconds: int | None = None
     """Estimated seconds to finish."""
 

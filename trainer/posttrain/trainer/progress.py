@@ -157,6 +157,8 @@ class Progress:
             "tokens_per_second": "tokensPerSecond",
         }
         out.update({wire: float(metrics[k]) for k, wire in names.items() if k in metrics})
+        if "data/bad_rows" in metrics:
+            out["badRows"] = int(metrics["data/bad_rows"])
         if (eta := self.eta_seconds(step)) is not None:
             out["etaSeconds"] = eta
         if self.last_checkpoint_step is not None:

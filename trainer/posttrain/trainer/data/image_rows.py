@@ -111,10 +111,12 @@ class ImageBatcher:
         where = row.where
         return [self.processor(images.load_image(v, self.base, where, self.column)) for v in values]
 
-    def batch(self, rows: Sequence[Row], max_images: int | None = None) -> Batch:
+    pads_missing_rows = True  # a None row (skipped as malformed) is a row of padding
+
+    def batch(self, rows: Sequence[Row | None], max_images: int | None = None) -> Batch:
         """The rows' batch; `images` holds max_images per row (default: the most any of
         these rows has, at least 1): every host of a step passes the step's maximum."""
-        examples = [self.example(row) for row in rows]
+        examples = [self.example(row) if row is not None else None for row in rows]
         if max_images is None:
             max_images = max([len(e[2]) for e in examples if e is not None] + [1])
         b, length, side = len(rows), self.max_length, self.vision.image_size

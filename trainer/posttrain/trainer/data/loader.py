@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -79,6 +80,7 @@ class DataLoader:
         threads: int = 2,
         prefetch: int = 2,
         gather: Gather | None = None,
+        max_bad_rows: int = 0,
     ) -> None:
         B, P = batch_size, process_count
         if not 0 <= process_index < P:
@@ -107,6 +109,8 @@ class DataLoader:
         self.order = self._order()
         self.rows_emitted = 0
         self.real_tokens = 0
+        self.max_bad_rows, self.bad_rows = max_bad_rows, 0
+        self._bad_lock = threading.Lock()
         self._it: Iterator[Any] | None = None
         self._position = 0  # unpacked: global examples consumed
         self._queue: list[list[int]] = []  # packed: windows to do first, as [w, rows done]
@@ -213,17 +217,86 @@ class DataLoader:
             return (steps[s] for s in range(HUGE))
         return iter(steps.to_iter_dataset(self._read_options()))
 
+    # ---------------------------------------------------------------- bad rows
+
+    def _skip(self, error: DataError) -> None:
+        """Count a malformed row; DataError once more than max_bad_rows were skipped."""
+        with self._bad_lock:
+            self.bad_rows += 1
+            count = self.bad_rows
+        if count > self.max_bad_rows:
+            if not self.max_bad_rows:
+                raise error
+            raise DataError(
+                f"{error} ({count} malformed rows, more than spec.data.maxBadRows="
+                f"{self.max_bad_rows})"
+            ) from None
+        log.warning("%s; skipped (%d of spec.data.maxBadRows=%d)", error, count, self.max_bad_rows)
+
+    def _read_guarded(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        """read(keys), with None for the rows that cannot be read (counted)."""
+        try:
+            return self.read(keys)
+        except DataError:
+            if not self.max_bad_rows:
+                raise
+        out = []
+        for key in keys:
+            try:
+                out.extend(self.read([key]))
+            except DataError as e:
+                self._skip(e)
+                out.append(None)
+        return out
+
+    def _usable(self, rows: list[Any], fn: Callable[[list[Any]], Any]) -> list[Any]:
+        """rows with None for each that `fn` refuses alone (counted as malformed)."""
+        out = []
+        for row in rows:
+            if row is not None:
+                try:
+                    fn([row])
+                except DataError as e:
+                    self._skip(e)
+                    row = None
+            out.append(row)
+        return out
+
+    def _batch(self, rows: list[Any], **kw: Any) -> Batch:
+        """The batcher's batch of rows; a malformed row (with spec.data.maxBadRows) is a
+        row of padding for sft, a copy of the batch's first good row otherwise."""
+        batcher = self.rows.batcher
+        for attempt in range(2):
+            if None in rows and not getattr(batcher, "pads_missing_rows", False):
+                good = next((r for r in rows if r is not None), None)
+                if good is None:
+                    raise DataError("every row of a batch is malformed (spec.data.maxBadRows)")
+                rows = [r if r is not None else good for r in rows]
+            try:
+                return batcher.batch(rows, **kw)
+            except DataError:
+                if not self.max_bad_rows or attempt:
+                    raise
+            rows = self._usable(rows, lambda rs: batcher.batch(rs, **kw))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ batches
+
     def _host_batch(self, position: int) -> Batch:
         keys = self.host_keys(position)
-        rows = self.read(keys)
+        rows = self._read_guarded(keys)
         batcher = self.rows.batcher
         if hasattr(batcher, "image_count"):  # every host pads to the step's most images
             B = self.batch_size
-            step_rows = self.read([self.order[position + j] for j in range(B)])
-            counts = [batcher.image_count(row) for row in step_rows]
-            batch = batcher.batch(rows, max_images=max([*counts, 1]))
+            counts = []
+            for j in range(B):  # other hosts' rows too (their bad rows are theirs to count)
+                try:
+                    counts.append(batcher.image_count(self.read([self.order[position + j]])[0]))
+                except DataError:
+                    continue
+            batch = self._batch(rows, max_images=max([*counts, 1]))
         else:
-            batch = batcher.batch(rows)
+            batch = self._batch(rows)
         batch["row_index"] = np.asarray([i for _, i in keys], dtype=np.int32)
         if self.weights is not None:
             batch["source_index"] = np.asarray([s for s, _ in keys], dtype=np.int32)
@@ -234,9 +307,16 @@ class DataLoader:
     def window_rows(self, w: int) -> list[list[Any]]:
         """Window w packed: its examples' rows, best fit, in order of first example."""
         W = self.window
-        rows = self.read([self.order[w * W + j] for j in range(W)])
+        rows = self._read_guarded([self.order[w * W + j] for j in range(W)])
         batcher: SftBatcher = self.rows.batcher
-        examples = [e for e in batcher.tokenize(rows) if e is not None]
+        try:
+            examples = batcher.tokenize([r for r in rows if r is not None])
+        except DataError:
+            if not self.max_bad_rows:
+                raise
+            rows = self._usable(rows, batcher.tokenize)
+            examples = batcher.tokenize([r for r in rows if r is not None])
+        examples = [e for e in examples if e is not None]
         packed = pack_examples([len(e) for e in examples], batcher.max_length)
         return [[examples[k] for k in members] for members in packed]
 
@@ -382,6 +462,8 @@ class DataLoader:
             out["fill_ratio"] = self.real_tokens / (self.rows_emitted * length)
         if self.weights is not None:
             out.update({f"source/{k}": float(v) for k, v in self.source_counts().items()})
+        if self.max_bad_rows:
+            out["bad_rows"] = float(self.bad_rows)
         return out
 
 
@@ -423,4 +505,5 @@ def build_loader(
         gradient_accumulation=spec.training.gradient_accumulation,
         packing=spec.data.packing and rows.packable,
         gather=gather,
+        max_bad_rows=spec.data.max_bad_rows,
     )

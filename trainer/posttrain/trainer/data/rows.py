@@ -94,9 +94,12 @@ class SftBatcher:
         self.pad_id = int(pad_id)
         self._arange = np.arange(max_length, dtype=np.int32)
 
-    def batch(self, rows: Sequence[Row]) -> Batch:
-        examples = self.tokenize(rows)
-        return self.packed([[e] if e is not None else [] for e in examples])
+    pads_missing_rows = True  # a None row (skipped as malformed) is a row of padding
+
+    def batch(self, rows: Sequence[Row | None]) -> Batch:
+        examples = iter(self.tokenize([r for r in rows if r is not None]))
+        members = [[] if r is None else [e] if (e := next(examples)) else [] for r in rows]
+        return self.packed(members)
 
     def packed(self, members: Sequence[Sequence[Example]]) -> Batch:
         """A batch with row r holding the examples members[r], in order."""
