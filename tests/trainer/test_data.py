@@ -713,3 +713,23 @@ def test_read_dataset_and_tokenizer_from_gcs(gcs, tmp_path, tok, tok_dir):
     storage.write_text(f"{gcs}/t.jinja", "{% for m in messages %}{{ m.content }}|{% endfor %}")
     ex = tokenize_sft(ds, remote, chat_template=f"{gcs}/t.jinja")
     assert remote.decode(ex[0]["input_ids"]) == "What is 0 + 0?|Answer: 0.|"
+
+
+def test_pretokenized_rows_skip_the_tokenizer(tok, tmp_path):
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+        {"input_ids": list(range(10, 90))},  # no mask: every token learnt; truncated
+    ]
+    path = _parquet(tmp_path / "tok.parquet", rows)
+    records = open_records(str(path))
+    examples, counts = tokenize_all(records, tok, max_length=64)
+    assert examples[0].input_ids.tolist() == [5, 6, 7, 8]
+    assert examples[0].loss_mask.tolist() == [0, 0, 1, 1]
+    assert examples[1].input_ids.tolist() == list(range(10, 74)) and examples[1].loss_mask.all()
+    assert counts.truncated == 1
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2], "loss_mask": [1]}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: input_ids must be a list .*same length"):
+        tokenize_sft(open_records(str(bad)), tok)
+    big = write_jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 10**6]}])
+    with pytest.raises(DataError, match=r"big\.jsonl:1: input_ids holds ids outside"):
+        tokenize_sft(open_records(str(big)), tok)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.trainer.data.errors import DataError
 from posttrain.trainer.data.formatting import (
     Where,
     render_conversation,
@@ -20,6 +21,9 @@ from posttrain.trainer.data.reading import Row
 from posttrain.trainer.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+PRETOKENIZED = "input_ids"  # a column of token ids: rows are used as they are
+PRETOKENIZED_MASK = "loss_mask"  # its optional loss mask (1: learnt); default all ones
 
 
 @dataclass
@@ -85,8 +89,9 @@ class SftTokenizer:
 
         self.columns = columns or DataColumns()
         self.tokenizer = tokenizer
-        self.template = tokenizer.template(chat_template)
-        self.messages = uses_messages(records, self.columns)
+        self.pretokenized = records.has(PRETOKENIZED)
+        self.template = None if self.pretokenized else tokenizer.template(chat_template)
+        self.messages = False if self.pretokenized else uses_messages(records, self.columns)
         self.max_length = max_length
         self.completion_only_loss = completion_only_loss
         self.truncated = 0
@@ -94,6 +99,8 @@ class SftTokenizer:
         self.tokens = 0
 
     def __call__(self, rows: Sequence[Row]) -> list[Example | None]:
+        if self.pretokenized:
+            return [self._keep(row, *self._given(row)) for row in rows]
         texts: list[str] = []
         spans: list[list[tuple[int, int]]] = []
         add_special = False
@@ -116,29 +123,55 @@ class SftTokenizer:
             if eos is not None:  # plain text: end the completion with EOS
                 ids = np.append(ids, np.int32(eos))
                 mask = np.append(mask, np.int32(1))
-            cut = len(ids) > self.max_length
-            if cut:
-                ids, mask = ids[: self.max_length], mask[: self.max_length]
-                self.truncated += 1
-                if self.truncated in (1, 100, 10_000):
-                    log.warning(
-                        "%s: longer than spec.data.maxLength=%d, truncated (%d so far)",
-                        row.where,
-                        self.max_length,
-                        self.truncated,
-                    )
-            if not mask.any():
-                self.dropped += 1
-                if self.dropped in (1, 100, 10_000):
-                    log.warning(
-                        "%s: no completion tokens within spec.data.maxLength=%d; skipped "
-                        "(%d so far)",
-                        row.where,
-                        self.max_length,
-                        self.dropped,
-                    )
-                out.append(None)
-                continue
-            self.tokens += len(ids)
-            out.append(Example(ids, mask, row.index, cut))
+            out.append(self._keep(row, ids, mask))
         return out
+
+    def _given(self, row: Row) -> tuple[np.ndarray, np.ndarray]:
+        """A pre-tokenized row's input_ids and loss_mask (all ones when absent)."""
+        try:
+            ids = np.asarray(row.value(PRETOKENIZED, "input_ids"), dtype=np.int64)
+            mask_value = row.values.get(PRETOKENIZED_MASK)
+            mask = np.ones(len(ids), np.int64) if mask_value is None else np.asarray(mask_value)
+        except (TypeError, ValueError) as e:
+            raise DataError(
+                f"{row.where}: {PRETOKENIZED} must be a list of token ids: {e}"
+            ) from None
+        if ids.ndim != 1 or mask.shape != ids.shape:
+            raise DataError(
+                f"{row.where}: {PRETOKENIZED} must be a list of token ids and "
+                f"{PRETOKENIZED_MASK} a list of 0/1 of the same length"
+            )
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size):
+            raise DataError(
+                f"{row.where}: {PRETOKENIZED} holds ids outside the tokenizer's vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})"
+            )
+        if not self.completion_only_loss:
+            mask = np.ones(len(ids), np.int64)
+        return ids.astype(np.int32), (mask != 0).astype(np.int32)
+
+    def _keep(self, row: Row, ids: np.ndarray, mask: np.ndarray) -> Example | None:
+        """The example, truncated to max_length; None (counted) with no loss token."""
+        cut = len(ids) > self.max_length
+        if cut:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            self.truncated += 1
+            if self.truncated in (1, 100, 10_000):
+                log.warning(
+                    "%s: longer than spec.data.maxLength=%d, truncated (%d so far)",
+                    row.where,
+                    self.max_length,
+                    self.truncated,
+                )
+        if not mask.any():
+            self.dropped += 1
+            if self.dropped in (1, 100, 10_000):
+                log.warning(
+                    "%s: no completion tokens within spec.data.maxLength=%d; skipped (%d so far)",
+                    row.where,
+                    self.max_length,
+                    self.dropped,
+                )
+            return None
+        self.tokens += len(ids)
+        return Example(ids, mask, row.index, cut)
