@@ -296,6 +296,7 @@ class ParquetFile(RecordFile):
         np.cumsum(counts, out=self._group_starts[1:])
         self.columns = list(self._file.schema_arrow.names)
         self._groups: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._read_lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self._group_starts[-1])
@@ -306,7 +307,8 @@ class ParquetFile(RecordFile):
             if table is not None:
                 self._groups.move_to_end(g)
                 return table
-        table = self._file.read_row_group(g)
+        with self._read_lock:  # one reader of the file object at a time (seek + read)
+            table = self._file.read_row_group(g)
         with self._lock:
             self._groups[g] = table
             while len(self._groups) > self.CACHED_GROUPS:
