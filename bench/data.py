@@ -141,9 +141,13 @@ def tokenizer_dir(base: Path) -> Path:
 # ---------------------------------------------------------------- one measurement
 
 
+FIRST_BATCH_RUNS = 3  # the time to the first batch is the median of these
+
+
 def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: float) -> dict:
-    """Run in a fresh process: build the pipeline, time the first batch, then batches
-    for steady_s seconds."""
+    """Run in a fresh process: build the pipeline and time its first batch (the median of
+    FIRST_BATCH_RUNS builds, each with another seed; the first one of a jsonl file without
+    a cached index builds it), then batches for steady_s seconds."""
     from posttrain.api.spec import PostTrainJobSpec
     from posttrain.trainer import data
 
@@ -156,13 +160,19 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
             "output": {"uri": "/tmp/unused"},
         }
     )
+    builds_index = source.suffix == ".jsonl" and not (source.parent / "index").exists()
     reset_peak()
     before = rss_mib()
-    started = time.perf_counter()
-    records = data.open_records(str(source), index_dir=str(source.parent / "index"))
-    loader = data.build_loader(spec, tokenizer, rows=data.build_rows(spec, tokenizer, records))
-    next(loader)
-    first = time.perf_counter() - started
+    firsts = []
+    for seed in range(FIRST_BATCH_RUNS):  # other seeds: other rows, read cold
+        spec.training.seed = seed
+        started = time.perf_counter()
+        records = data.open_records(str(source), index_dir=str(source.parent / "index"))
+        rows = data.build_rows(spec, tokenizer, records)
+        loader = data.build_loader(spec, tokenizer, rows=rows)
+        next(loader)
+        firsts.append(time.perf_counter() - started)
+    first = firsts[0] if builds_index else sorted(firsts)[len(firsts) // 2]
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < steady_s:
         rows += len(next(loader)["input_ids"])
