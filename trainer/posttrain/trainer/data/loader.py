@@ -27,9 +27,8 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import numpy as np
 
 from posttrain.api.batching import batch_split_error
@@ -37,6 +36,9 @@ from posttrain.trainer.data.errors import DataError
 from posttrain.trainer.data.mixing import mixed_counts, parts_of
 from posttrain.trainer.data.rows import Batch, Rows, SftBatcher, build_rows, pack_examples
 from posttrain.trainer.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import grain
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,8 @@ class DataLoader:
     def _order(self) -> grain.MapDataset:
         """(source, row) at each global position: every source's rows shuffled per epoch
         (seed + source) and repeated, from its base; mixed by weight."""
+        import grain  # here, not at import: grain imports orbax, which sets up logging
+
         orders = []
         for s, part in enumerate(self.parts):
             order = grain.MapDataset.range(len(part))
@@ -208,9 +212,13 @@ class DataLoader:
             yield next(self)
 
     def _read_options(self) -> grain.ReadOptions:
+        import grain
+
         return grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.prefetch)
 
     def _stream(self, position: int) -> Iterator[Batch]:
+        import grain
+
         B = self.batch_size
         steps = grain.MapDataset.range(0, HUGE).map(lambda s: self._host_batch(position + s * B))
         if self.threads == 0:
@@ -329,6 +337,8 @@ class DataLoader:
             if k < len(queue):
                 return queue[k][0], queue[k][1]
             return start + (k - len(queue)) * stride, 0
+
+        import grain
 
         windows = grain.MapDataset.range(0, HUGE).map(
             lambda k: (*window_of(k), self.window_rows(window_of(k)[0]))
