@@ -242,9 +242,8 @@ def build_data(
     spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
 ) -> tuple[data.DataLoader, Any]:
     """This host's training loader, and the held-out rows of spec.eval (or None; per
-    source for a mixture). Nothing
-    is read but what finds the rows; jsonl offset indexes are cached under
-    output.uri/data-index (built by process 0)."""
+    source for a mixture). Nothing is read but what finds the rows; jsonl offset indexes
+    are cached under output.uri/data-index (built by process 0)."""
     where = {"index_dir": storage.join(spec.output.uri, DATA_INDEX)}
     where["process_index"] = process.process_id
     if spec.data.sources:  # a weighted mixture
