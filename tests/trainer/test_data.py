@@ -733,3 +733,15 @@ def test_pretokenized_rows_skip_the_tokenizer(tok, tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 10**6]}])
     with pytest.raises(DataError, match=r"big\.jsonl:1: input_ids holds ids outside"):
         tokenize_sft(open_records(str(big)), tok)
+
+
+def test_nothing_is_read_past_the_last_step(sft_rows):
+    rows = sft_rows(n=40, max_length=48)
+    loader = DataLoader(rows, batch_size=4, max_steps=3, prefetch=4)
+    for _ in range(3):
+        next(loader)
+    offsets = rows.records.files[0]._offsets
+    size = np.diff(offsets)
+    drawn = loader.epoch_order(0)[:12]
+    assert rows.records.bytes_read == size[drawn].sum() + size[0]  # and row 0: its columns
+    assert len(next(loader)["row_index"]) == 4  # asked for more, it goes on

@@ -83,6 +83,7 @@ class DataLoader:
         prefetch: int = 2,
         gather: Gather | None = None,
         max_bad_rows: int = 0,
+        max_steps: int | None = None,
     ) -> None:
         B, P = batch_size, process_count
         if not 0 <= process_index < P:
@@ -112,6 +113,7 @@ class DataLoader:
         self.rows_emitted = 0
         self.real_tokens = 0
         self.max_bad_rows, self.bad_rows = max_bad_rows, 0
+        self.max_steps = max_steps  # unpacked: prefetch nothing past this step
         self._bad_lock = threading.Lock()
         self._it: Iterator[Any] | None = None
         self._position = 0  # unpacked: global examples consumed
@@ -200,7 +202,11 @@ class DataLoader:
             return self._next_packed()
         if self._it is None:
             self._it = self._stream(self._position)
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:  # past max_steps (a resume with another batch size): go on
+            self._it = self._stream(self._position, bounded=False)
+            batch = next(self._it)
         self._position += self.batch_size
         self.rows_emitted += len(batch["row_index"])
         self.real_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else 0
@@ -216,13 +222,16 @@ class DataLoader:
 
         return grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.prefetch)
 
-    def _stream(self, position: int) -> Iterator[Batch]:
+    def _stream(self, position: int, bounded: bool = True) -> Iterator[Batch]:
         import grain
 
         B = self.batch_size
-        steps = grain.MapDataset.range(0, HUGE).map(lambda s: self._host_batch(position + s * B))
+        stop = HUGE
+        if bounded and self.max_steps is not None:
+            stop = max(0, self.max_steps - position // B)
+        steps = grain.MapDataset.range(0, stop).map(lambda s: self._host_batch(position + s * B))
         if self.threads == 0:
-            return (steps[s] for s in range(HUGE))
+            return (steps[s] for s in range(stop))
         return iter(steps.to_iter_dataset(self._read_options()))
 
     # ---------------------------------------------------------------- bad rows
@@ -516,4 +525,5 @@ def build_loader(
         packing=spec.data.packing and rows.packable,
         gather=gather,
         max_bad_rows=spec.data.max_bad_rows,
+        max_steps=spec.training.steps,
     )
