@@ -401,6 +401,18 @@ CASES: list[Case] = [
         "at most 22 characters",
     ),
     Case(
+        "data-source-and-sources",
+        _set("spec.data.sources", [{"source": "/data/other.jsonl"}]),
+        "spec.data.source",
+        "exactly one of spec.data.source and spec.data.sources",
+    ),
+    Case(
+        "data-without-a-source",
+        _set("spec.data", {"maxLength": 64}),
+        "spec.data.source",
+        "exactly one of spec.data.source and spec.data.sources",
+    ),
+    Case(
         "images-with-dpo",
         _all(
             _set("spec.technique", "dpo"),

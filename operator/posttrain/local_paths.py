@@ -36,6 +36,10 @@ def _inputs(spec: Any) -> list[tuple[str, str | None, str | None]]:
     return [
         ("spec.model.source", spec.model.source, MODEL),
         ("spec.data.source", spec.data.source, None),
+        *(
+            (f"spec.data.sources[{k}].source", entry.source, None)
+            for k, entry in enumerate(spec.data.sources or [])
+        ),
         ("spec.data.chatTemplate", spec.data.chat_template, None),
         ("spec.eval.source", spec.eval.source if spec.eval else None, None),
         ("spec.distill.teacher.source", teacher.source if teacher else None, MODEL),

@@ -12,18 +12,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from posttrain.api.spec import DataColumns, PostTrainJobSpec
-from posttrain.trainer import data, storage
+from posttrain.trainer import storage
 from posttrain.trainer.data import (
     DataError,
     DataLoader,
-    PreferenceRows,
-    PromptRows,
-    SftRows,
+    PreferenceBatcher,
+    PromptBatcher,
+    Rows,
+    SftBatcher,
+    SftTokenizer,
     build_loader,
     load_tokenizer,
+    open_records,
     pack_examples,
-    read_dataset,
-    tokenize_sft,
 )
 from tests.trainer.data_helpers import (
     FAKE_GCS_BUILD,
@@ -65,11 +66,29 @@ def tok(tok_dir):
     return load_tokenizer(str(tok_dir))
 
 
-def sft_rows(tok, n=40, max_length=64, packing=False, rows=None):
-    ds = data.RawDataset("mem", rows or [chat_row(i) for i in range(n)], [])
-    ds.parts.append(data.FilePart("mem.jsonl", ["messages"], 0))
-    ex = tokenize_sft(ds, tok, max_length=max_length)
-    return SftRows(ex, max_length=max_length, pad_id=tok.pad_id, packing=packing)
+def values(records) -> list[dict]:
+    return [records[i].values for i in range(len(records))]
+
+
+def tokenize_all(records, tok, **kw):
+    """Every row of records tokenized (the SftTokenizer, with its counters)."""
+    tokenize = SftTokenizer(records, tok, **kw)
+    return tokenize([records[i] for i in range(len(records))]), tokenize
+
+
+def tokenize_sft(records, tok, **kw):
+    return tokenize_all(records, tok, **kw)[0]
+
+
+@pytest.fixture
+def sft_rows(tok, tmp_path):
+    def make(n=40, max_length=64):
+        path = write_jsonl(tmp_path / f"sft-{n}.jsonl", [chat_row(i) for i in range(n)])
+        records = open_records(str(path))
+        tokenize = SftTokenizer(records, tok, max_length=max_length)
+        return Rows(records, SftBatcher(tokenize, max_length=max_length, pad_id=tok.pad_id))
+
+    return make
 
 
 # ----------------------------------------------------------------------- tokenizer
@@ -131,19 +150,29 @@ def test_every_format_reads_the_same_rows(tmp_path):
         (tmp_path / "hf_dict", {"split": "train"}),
         (tmp_path / "hf_dict" / "train", {"format": "arrow"}),
     ]:
-        ds = read_dataset(str(source), **kw)
-        assert ds.rows == rows, source
+        ds = open_records(str(source), **kw)
+        assert values(ds) == rows, source
         assert ds.columns == ["messages"]
-    assert len(read_dataset(str(tmp_path / "hf_dict"), split="test")) == 2
+    assert len(open_records(str(tmp_path / "hf_dict"), split="test")) == 2
     arrow_file = next((tmp_path / "hf_ds").glob("*.arrow"))
-    assert read_dataset(str(arrow_file)).rows == rows
+    assert values(open_records(str(arrow_file))) == rows
+    # a JSON array file, and ArrayRecord (one JSON object a record)
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    assert values(open_records(str(tmp_path / "array.json"))) == rows
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(tmp_path / "a.array_record"), "group_size:4")
+    for r in rows:
+        writer.write(json.dumps(r).encode())
+    writer.close()
+    assert values(open_records(str(tmp_path / "a.array_record"))) == rows
 
 
 def test_row_locations_for_errors(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text(json.dumps(pc_row(0)) + "\n\n" + json.dumps({"prompt": "p"}) + "\n")
-    ds = read_dataset(str(path))
-    assert ds.where(1) == f"{path}:3"
+    ds = open_records(str(path))
+    assert len(ds) == 2 and ds.where(1) == f"{path}:3"
     with pytest.raises(DataError, match=rf"{path}:3: column 'completion' .*missing or null"):
         tokenize_sft(ds, load_tokenizer(str(make_tokenizer_dir(tmp_path / "t"))))
 
@@ -151,7 +180,7 @@ def test_row_locations_for_errors(tmp_path):
 def test_missing_column_error_names_file_column_field_and_columns(tmp_path, tok):
     path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "response": "r"}])
     with pytest.raises(DataError) as e:
-        tokenize_sft(read_dataset(str(path)), tok)
+        tokenize_sft(open_records(str(path)), tok)
     assert str(e.value) == (
         f"{path}: column 'completion' (spec.data.columns.completion) not found; "
         "columns are: prompt, response"
@@ -160,40 +189,41 @@ def test_missing_column_error_names_file_column_field_and_columns(tmp_path, tok)
     other = _parquet(tmp_path / "y.parquet", [{"question": "q", "reply": "r"}])
     cols = DataColumns(prompt="question", completion="answer_text")
     with pytest.raises(DataError, match=r"y\.parquet: column 'answer_text' \(spec\.data\.columns"):
-        tokenize_sft(read_dataset(str(other)), tok, columns=cols)
+        tokenize_sft(open_records(str(other)), tok, columns=cols)
     # neither messages nor prompt
     with pytest.raises(DataError, match=r"column 'messages' .*nor column 'prompt'.*columns are: a"):
-        tokenize_sft(read_dataset(str(write_jsonl(tmp_path / "z.jsonl", [{"a": 1}]))), tok)
+        tokenize_sft(open_records(str(write_jsonl(tmp_path / "z.jsonl", [{"a": 1}]))), tok)
     # the file of a directory that lacks the column is the one named
     d = tmp_path / "dir"
     write_jsonl(d / "0.jsonl", [pc_row(0)])
     write_jsonl(d / "1.jsonl", [{"prompt": "p", "answer": "a"}])
     with pytest.raises(DataError, match=r"dir/1\.jsonl: column 'completion'.*prompt, answer"):
-        tokenize_sft(read_dataset(str(d)), tok)
+        tokenize_sft(open_records(str(d)), tok)
 
 
 def test_empty_and_missing_sources_fail_clearly(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DataError, match=r"empty\.jsonl: the dataset is empty"):
-        read_dataset(str(empty))
+        open_records(str(empty))
     empty_pq = _parquet(tmp_path / "e.parquet", [])
     with pytest.raises(DataError, match=r"e\.parquet: the dataset is empty"):
-        read_dataset(str(empty_pq))
+        open_records(str(empty_pq))
     with pytest.raises(DataError, match=r"nope\.jsonl: not found \(spec\.data\.source\)"):
-        read_dataset(str(tmp_path / "nope.jsonl"))
+        open_records(str(tmp_path / "nope.jsonl"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("x")
-    with pytest.raises(DataError, match=r"holds no \.jsonl, \.parquet or \.arrow"):
-        read_dataset(str(tmp_path / "d"))
+    with pytest.raises(DataError, match=r"holds no \.jsonl, \.parquet, \.arrow or \.array_record"):
+        open_records(str(tmp_path / "d"))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"a": 1}\n{oops\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
-        read_dataset(str(bad))
+    bad.write_text('{"a": 1}\n\n{oops\n')
+    records = open_records(str(bad))  # a bad row is found when it is read
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: invalid JSON"):
+        records[1]
     (tmp_path / "data.txt").write_text("{}")
     with pytest.raises(DataError, match=r"set spec\.data\.format"):
-        read_dataset(str(tmp_path / "data.txt"))
-    assert len(read_dataset(str(tmp_path / "data.txt"), format="jsonl")) == 1
+        open_records(str(tmp_path / "data.txt"))
+    assert len(open_records(str(tmp_path / "data.txt"), format="jsonl")) == 1
 
 
 def test_missing_split_names_the_splits(tmp_path):
@@ -203,7 +233,7 @@ def test_missing_split_names_the_splits(tmp_path):
         str(tmp_path / "dd")
     )
     with pytest.raises(DataError, match=r"split 'validation' \(spec\.data\.split\).*: train"):
-        read_dataset(str(tmp_path / "dd"), split="validation")
+        open_records(str(tmp_path / "dd"), split="validation")
 
 
 # ------------------------------------------------------- formatting and loss masks
@@ -214,7 +244,7 @@ def _masked_text(tok, example) -> str:
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens(tok, tmp_path):
-    ds = read_dataset(str(write_jsonl(tmp_path / "c.jsonl", [chat_row(3)])))
+    ds = open_records(str(write_jsonl(tmp_path / "c.jsonl", [chat_row(3)])))
     ex = tokenize_sft(ds, tok, max_length=128)[0]
     assert ex["input_ids"].dtype == np.int32 and ex["loss_mask"].dtype == np.int32
     text = tok.decode(ex["input_ids"])
@@ -240,7 +270,7 @@ def test_multi_turn_masks_every_non_assistant_segment(tok, tmp_path):
         {"role": "user", "content": "What colour is the sky?"},
         {"role": "assistant", "content": "Answer: blue."},
     ]
-    ds = read_dataset(str(write_jsonl(tmp_path / "m.jsonl", [{"messages": conv}])))
+    ds = open_records(str(write_jsonl(tmp_path / "m.jsonl", [{"messages": conv}])))
     ex = tokenize_sft(ds, tok, max_length=256)[0]
     ids, mask = ex["input_ids"], ex["loss_mask"]
     runs, cur = [], []
@@ -257,23 +287,23 @@ def test_multi_turn_masks_every_non_assistant_segment(tok, tmp_path):
 
 
 def test_prompt_completion_columns_match_messages(tok, tmp_path):
-    a = tokenize_sft(read_dataset(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(4)]))), tok)
-    b = tokenize_sft(read_dataset(str(write_jsonl(tmp_path / "b.jsonl", [chat_row(4)]))), tok)
+    a = tokenize_sft(open_records(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(4)]))), tok)
+    b = tokenize_sft(open_records(str(write_jsonl(tmp_path / "b.jsonl", [chat_row(4)]))), tok)
     np.testing.assert_array_equal(a[0]["input_ids"], b[0]["input_ids"])
     np.testing.assert_array_equal(a[0]["loss_mask"], b[0]["loss_mask"])
 
 
 def test_full_sequence_loss_and_truncation(tok, tmp_path):
-    ds = read_dataset(str(write_jsonl(tmp_path / "a.jsonl", [chat_row(1), chat_row(2)])))
+    ds = open_records(str(write_jsonl(tmp_path / "a.jsonl", [chat_row(1), chat_row(2)])))
     full = tokenize_sft(ds, tok, completion_only_loss=False)
-    assert full.loss_mask.all()
+    assert all(e.loss_mask.all() for e in full)
     n = len(full[0]["input_ids"])
-    cut = tokenize_sft(ds, tok, max_length=n - 3)
-    assert cut.truncated == 2 and all(len(cut[i]["input_ids"]) == n - 3 for i in range(2))
+    cut, counts = tokenize_all(ds, tok, max_length=n - 3)
+    assert counts.truncated == 2 and all(len(cut[i]["input_ids"]) == n - 3 for i in range(2))
     np.testing.assert_array_equal(cut[0]["input_ids"], full[0]["input_ids"][: n - 3])
-    # truncated so far that no assistant token is left: the example is dropped
-    with pytest.raises(DataError, match=r"no example has completion tokens.*maxLength=8"):
-        tokenize_sft(ds, tok, max_length=8)
+    # truncated so far that no assistant token is left: the example is dropped (counted)
+    dropped, counts = tokenize_all(ds, tok, max_length=8)
+    assert dropped == [None, None] and counts.dropped == 2
 
 
 def test_chat_template_file_overrides_the_tokenizers(tok, tmp_path):
@@ -282,7 +312,7 @@ def test_chat_template_file_overrides_the_tokenizers(tok, tmp_path):
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    ds = read_dataset(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(2)])))
+    ds = open_records(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(2)])))
     ex = tokenize_sft(ds, tok, chat_template=str(tpl))[0]
     assert tok.decode(ex["input_ids"]) == "user: What is 2 + 2?\nassistant: Answer: 4.\n"
     # byte-level BPE merges the space after "assistant:" into " Answer": that token
@@ -294,12 +324,13 @@ def test_chat_template_file_overrides_the_tokenizers(tok, tmp_path):
 
 def test_tokenizer_without_template_uses_plain_text_and_eos(tmp_path):
     plain = load_tokenizer(str(make_tokenizer_dir(tmp_path / "t", chat_template=None)))
-    ds = read_dataset(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(2)])))
+    ds = open_records(str(write_jsonl(tmp_path / "a.jsonl", [pc_row(2)])))
     ex = tokenize_sft(ds, plain)[0]
     assert plain.decode(ex["input_ids"]) == "What is 2 + 2?Answer: 4.<|im_end|>"
     assert _masked_text(plain, ex) == "Answer: 4.<|im_end|>"
-    chat = read_dataset(str(write_jsonl(tmp_path / "b.jsonl", [chat_row(2)])))
-    chat.rows[0]["messages"].insert(0, {"role": "system", "content": "x"})
+    row = chat_row(2)
+    row["messages"].insert(0, {"role": "system", "content": "x"})
+    chat = open_records(str(write_jsonl(tmp_path / "b.jsonl", [row])))
     with pytest.raises(DataError, match=r"b\.jsonl:1: the tokenizer has no chat template.*"):
         tokenize_sft(chat, plain)
 
@@ -307,27 +338,27 @@ def test_tokenizer_without_template_uses_plain_text_and_eos(tmp_path):
 def test_bad_messages_are_named(tok, tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [chat_row(0), {"messages": [{"role": "user"}]}])
     with pytest.raises(DataError, match=r"a\.jsonl:2: message 0 .* 'role' and 'content'"):
-        tokenize_sft(read_dataset(str(path)), tok)
+        tokenize_sft(open_records(str(path)), tok)
     path = write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
     with pytest.raises(DataError, match=r"b\.jsonl:1: .* no assistant message"):
-        tokenize_sft(read_dataset(str(path)), tok)
+        tokenize_sft(open_records(str(path)), tok)
 
 
 # ------------------------------------------------------------------------ packing
 
 
-def test_padding_without_packing(tok):
-    rows = sft_rows(tok, n=4, max_length=64)
-    ex = rows.examples
-    r = rows.row(2)
-    n = len(ex[2]["input_ids"])
-    assert set(r) == {"input_ids", "loss_mask", "segment_ids", "positions"}
+def test_padding_without_packing(tok, sft_rows):
+    rows = sft_rows(n=4, max_length=64)
+    ex = tokenize_sft(rows.records, tok)[2]
+    r = {k: v[0] for k, v in rows.batch([2]).items()}
+    n = len(ex["input_ids"])
+    assert set(r) == {"input_ids", "loss_mask", "segment_ids", "positions", "example_rows"}
     assert all(v.shape == (64,) and v.dtype == np.int32 for v in r.values())
-    np.testing.assert_array_equal(r["input_ids"][:n], ex[2]["input_ids"])
+    np.testing.assert_array_equal(r["input_ids"][:n], ex["input_ids"])
     assert (r["input_ids"][n:] == tok.pad_id).all() and not r["loss_mask"][n:].any()
     assert (r["segment_ids"][:n] == 1).all() and not r["segment_ids"][n:].any()
     np.testing.assert_array_equal(r["positions"][:n], np.arange(n))
-    assert rows.example_ids(2) == (2,)
+    assert set(r["example_rows"][:n]) == {2} and (r["example_rows"][n:] == -1).all()
 
 
 def test_pack_examples_is_greedy_best_fit():
@@ -339,54 +370,71 @@ def test_pack_examples_is_greedy_best_fit():
         pack_examples([9], 8)
 
 
-def test_packing_segment_ids_and_positions(tok):
-    unpacked = sft_rows(tok, n=30, max_length=128)
-    packed = sft_rows(tok, n=30, max_length=128, packing=True)
-    assert len(packed) < len(unpacked) / 2
+def packed_ids(batch) -> list[list[int]]:
+    """The example rows of each packed row of a batch, in segment order."""
+    out = []
+    for seg, origin in zip(batch["segment_ids"], batch["example_rows"], strict=True):
+        out.append([int(origin[seg == s][0]) for s in range(1, int(seg.max()) + 1)])
+    return out
+
+
+def test_packing_streams_segments_positions_and_fill(tok, sft_rows):
+    rows = sft_rows(n=30, max_length=128)
+    examples = tokenize_sft(rows.records, tok)
+    loader = DataLoader(rows, batch_size=2, packing=True, window=10, shuffle=False, threads=0)
     seen = []
-    for row in range(len(packed)):
-        r = packed.row(row)
-        members = packed.example_ids(row)
-        seen.extend(members)
-        seg, pos = r["segment_ids"], r["positions"]
-        used = int((seg > 0).sum())
-        assert (seg[:used] > 0).all() and not seg[used:].any()  # padding only at the end
-        assert (r["input_ids"][used:] == tok.pad_id).all() and not r["loss_mask"][used:].any()
-        assert list(np.unique(seg[:used])) == list(range(1, len(members) + 1))
-        for s, ex_id in enumerate(members, 1):
-            sel = seg == s
-            ex = unpacked.examples[ex_id]
-            np.testing.assert_array_equal(r["input_ids"][sel], ex["input_ids"])
-            np.testing.assert_array_equal(r["loss_mask"][sel], ex["loss_mask"])
-            np.testing.assert_array_equal(pos[sel], np.arange(sel.sum()))  # restart at 0
-    assert sorted(seen) == list(range(30))
-    assert data.data_summary(packed)["fill_ratio"] > data.data_summary(unpacked)["fill_ratio"]
+    while len(seen) < 30:
+        b = next(loader)
+        for r, members in enumerate(packed_ids(b)):
+            seen.extend(members)
+            seg, pos = b["segment_ids"][r], b["positions"][r]
+            used = int((seg > 0).sum())
+            assert (seg[:used] > 0).all() and not seg[used:].any()  # padding at the end
+            assert (b["input_ids"][r, used:] == tok.pad_id).all()
+            assert not b["loss_mask"][r, used:].any()
+            for s, ex_id in enumerate(members, 1):
+                sel = seg == s
+                np.testing.assert_array_equal(b["input_ids"][r][sel], examples[ex_id].input_ids)
+                np.testing.assert_array_equal(b["loss_mask"][r][sel], examples[ex_id].loss_mask)
+                np.testing.assert_array_equal(pos[sel], np.arange(sel.sum()))  # restart at 0
+    # windows of 10 examples: each window's examples are packed together, none twice
+    assert sorted(seen[:30]) == list(range(30)) and max(len(m) for m in packed_ids(b)) >= 2
+    assert sorted(seen[:10]) == list(range(10))
+    unpacked = DataLoader(rows, batch_size=2, threads=0)
+    for _ in range(5):
+        next(unpacked)
+    assert loader.metrics()["fill_ratio"] > 2 * unpacked.metrics()["fill_ratio"]
 
 
 # -------------------------------------------------------- batching and determinism
 
 
-def epoch_ids(loader: DataLoader) -> list[list[int]]:
-    """Example ids of each step of the loader's next epoch, in order."""
-    out = []
-    for _ in range(loader.steps_per_epoch):
-        b = next(loader)
-        out.append([i for r in b["row_index"] for i in loader.rows.example_ids(int(r))])
-    return out
+def epoch_ids(loader: DataLoader, steps: int | None = None) -> list[list[int]]:
+    """Row indices of each step of the loader's next `steps` (default: an epoch's)."""
+    return [
+        [int(i) for i in next(loader)["row_index"]] for _ in range(steps or loader.steps_per_epoch)
+    ]
 
 
-def test_batch_shapes_and_dtypes(tok):
-    loader = DataLoader(sft_rows(tok, n=20, max_length=48), batch_size=8, process_count=2)
+def test_batch_shapes_and_dtypes(sft_rows):
+    loader = DataLoader(sft_rows(n=20, max_length=48), batch_size=8, process_count=2)
     b = next(loader)
-    assert set(b) == {"input_ids", "loss_mask", "segment_ids", "positions", "row_index"}
+    assert set(b) == {
+        "input_ids",
+        "loss_mask",
+        "segment_ids",
+        "positions",
+        "example_rows",
+        "row_index",
+    }
     for k, v in b.items():
         assert v.dtype == np.int32, k
         assert v.shape == ((4,) if k == "row_index" else (4, 48)), k
     assert loader.steps_per_epoch == 2 and loader.per_host_batch_size == 4
 
 
-def test_shuffle_is_deterministic_by_seed(tok):
-    rows = sft_rows(tok, n=32, max_length=48)
+def test_shuffle_is_deterministic_by_seed(sft_rows):
+    rows = sft_rows(n=32, max_length=48)
     a = epoch_ids(DataLoader(rows, batch_size=4, seed=1))
     b = epoch_ids(DataLoader(rows, batch_size=4, seed=1))
     c = epoch_ids(DataLoader(rows, batch_size=4, seed=2))
@@ -397,59 +445,62 @@ def test_shuffle_is_deterministic_by_seed(tok):
     loader = DataLoader(rows, batch_size=4, seed=1)
     first, second = epoch_ids(loader), epoch_ids(loader)
     assert first == a and second != first and sorted(sum(second, [])) == list(range(32))
+    # a batch that crosses an epoch's end takes the next epoch's first rows
+    odd = DataLoader(rows, batch_size=6, seed=1)
+    flat = sum(epoch_ids(odd, 11), [])
+    assert sorted(flat[:32]) == list(range(32)) and sorted(flat[32:64]) == list(range(32))
 
 
-@pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("hosts", [2, 4])
-def test_hosts_get_disjoint_examples(tok, hosts, packing):
-    rows = sft_rows(tok, n=67, max_length=96, packing=packing)
+def test_hosts_get_disjoint_examples(sft_rows, hosts):
+    rows = sft_rows(n=67, max_length=96)
     B = 8
     loaders = [
         DataLoader(rows, batch_size=B, process_index=p, process_count=hosts, seed=3)
         for p in range(hosts)
     ]
     per_host = [epoch_ids(ld) for ld in loaders]
-    steps = loaders[0].steps_per_epoch
-    assert steps == len(rows) // B
-    for s in range(steps):  # within a step: disjoint
-        step_sets = [set(per_host[p][s]) for p in range(hosts)]
-        assert sum(len(x) for x in step_sets) == len(set().union(*step_sets))
     epoch_sets = [set(sum(per_host[p], [])) for p in range(hosts)]
     for p in range(hosts):  # across the epoch: no example on two hosts
         for q in range(p + 1, hosts):
             assert not epoch_sets[p] & epoch_sets[q]
-    union = set().union(*epoch_sets)
-    # the epoch uses steps * B rows; every example in them is used exactly once
-    used_rows = set(loaders[0].epoch_order(0)[: steps * B].tolist())
-    assert union == {i for r in used_rows for i in rows.example_ids(r)}
     # hosts together see exactly what one host with the whole batch sees
     single = epoch_ids(DataLoader(rows, batch_size=B, seed=3))
-    for s in range(steps):
+    for s in range(loaders[0].steps_per_epoch):
         assert sum((per_host[p][s] for p in range(hosts)), []) == single[s]
+    assert sum(single, []) == list(loaders[0].epoch_order(0)[: len(single) * B])
 
 
-def test_exact_resume_from_state(tok):
-    rows = sft_rows(tok, n=30, max_length=48, packing=True)
-    ref = DataLoader(rows, batch_size=4, seed=7)
+def assert_same_batches(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_exact_resume_from_state(sft_rows, packing):
+    rows = sft_rows(n=30, max_length=128)
+
+    def loader():
+        return DataLoader(rows, batch_size=4, seed=7, packing=packing, window=8)
+
+    ref = loader()
     expected = [next(ref) for _ in range(12)]  # crosses epoch boundaries
-    assert ref.get_state()["epoch"] >= 1
     for cut in (0, 1, 5, 11):
-        first = DataLoader(rows, batch_size=4, seed=7)
+        first = loader()
         for _ in range(cut):
             next(first)
         state = json.loads(json.dumps(first.get_state()))
-        resumed = DataLoader(rows, batch_size=4, seed=7)
+        resumed = loader()
         resumed.set_state(state)
         for want in expected[cut:]:
-            got = next(resumed)
-            for k in want:
-                np.testing.assert_array_equal(got[k], want[k])
+            assert_same_batches(next(resumed), want)
     with pytest.raises(ValueError, match="not a data loader state"):
-        ref.set_state({"epoch": 1})
+        ref.set_state({"num_rows": 30})
 
 
-def test_resume_on_a_different_host_count_continues_the_global_order(tok):
-    rows = sft_rows(tok, n=40, max_length=48)
+def test_resume_on_a_different_host_count_continues_the_global_order(sft_rows):
+    rows = sft_rows(n=40, max_length=48)
     one = DataLoader(rows, batch_size=8, seed=5)
     for _ in range(3):
         next(one)
@@ -463,13 +514,13 @@ def test_resume_on_a_different_host_count_continues_the_global_order(tok):
     assert list(want) == got
 
 
-def test_batch_size_errors(tok):
-    rows = sft_rows(tok, n=10, max_length=48)
+def test_batch_size_errors(sft_rows):
+    rows = sft_rows(n=10, max_length=48)
     with pytest.raises(
         DataError, match=r"spec\.training\.batchSize \(6\) must be a multiple .*\(4\)"
     ):
         DataLoader(rows, batch_size=6, process_count=4)
-    with pytest.raises(DataError, match=r"10 rows .*fewer than spec\.training\.batchSize \(16\)"):
+    with pytest.raises(DataError, match=r"10 rows, fewer than spec\.training\.batchSize \(16\)"):
         DataLoader(rows, batch_size=16)
     with pytest.raises(DataError, match=r"spec\.training\.gradientAccumulation \(3\)"):
         DataLoader(rows, batch_size=8, process_count=2, gradient_accumulation=3)
@@ -483,9 +534,9 @@ def test_preference_rows(tok, tmp_path):
         {"prompt": f"What is {i} + 1?", "chosen": f"Answer: {i + 1}.", "rejected": "I think 7"}
         for i in range(6)
     ]
-    ds = read_dataset(str(write_jsonl(tmp_path / "p.jsonl", rows)))
-    pref = PreferenceRows(ds, tok, max_prompt_length=40, max_completion_length=12)
-    loader = DataLoader(pref, batch_size=2, shuffle=False)
+    ds = open_records(str(write_jsonl(tmp_path / "p.jsonl", rows)))
+    pref = PreferenceBatcher(ds, tok, max_prompt_length=40, max_completion_length=12)
+    loader = DataLoader(Rows(ds, pref), batch_size=2, shuffle=False)
     b = next(loader)
     assert {k: v.shape for k, v in b.items()} == {
         "prompt_ids": (2, 40),
@@ -506,22 +557,22 @@ def test_preference_rows(tok, tmp_path):
     assert c_mask[0] == 1 and c_mask[-1] == 0  # right-padded
     assert tok.decode(c_ids[c_mask == 1]) == "Answer: 1.<|im_end|>\n"
     assert tok.decode(b["rejected_ids"][1][b["rejected_mask"][1] == 1]) == "I think 7<|im_end|>\n"
-    missing = read_dataset(str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a", "chosen": "b"}])))
+    missing = open_records(str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a", "chosen": "b"}])))
     with pytest.raises(DataError, match=r"q\.jsonl: column 'rejected' \(spec\.data\.columns"):
-        PreferenceRows(missing, tok)
+        PreferenceBatcher(missing, tok)
 
 
 def test_prompt_rows_for_grpo(tok, tmp_path):
     rows = [{"prompt": f"What is {i} + 2?", "answer": i + 2} for i in range(4)]
-    ds = read_dataset(str(write_jsonl(tmp_path / "g.jsonl", rows)))
-    b = next(DataLoader(PromptRows(ds, tok), batch_size=2, shuffle=False))
+    ds = open_records(str(write_jsonl(tmp_path / "g.jsonl", rows)))
+    b = next(DataLoader(Rows(ds, PromptBatcher(ds, tok)), batch_size=2, shuffle=False))
     assert list(b["answer"]) == ["2", "3"]
     assert b["prompts"][1] == (
         PREAMBLE + "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    no_answer = read_dataset(str(write_jsonl(tmp_path / "h.jsonl", [{"prompt": "x"}])))
+    no_answer = open_records(str(write_jsonl(tmp_path / "h.jsonl", [{"prompt": "x"}])))
     with pytest.raises(DataError, match=r"column 'answer' \(spec\.data\.columns\.answer\)"):
-        PromptRows(no_answer, tok)
+        PromptBatcher(no_answer, tok)
 
 
 # ------------------------------------------------------------------------- wiring
@@ -546,29 +597,30 @@ def test_build_loader_from_spec(tok, tmp_path):
     loaders = [build_loader(spec, tok, process_index=p, process_count=2) for p in range(2)]
     b = next(loaders[1])
     assert b["input_ids"].shape == (2, 128) and b["segment_ids"].max() >= 2
-    assert loaders[0].seed == 11 and isinstance(loaders[0].rows, SftRows)
-    assert data.data_summary(loaders[0].rows)["examples"] == 24
+    assert loaders[0].seed == 11 and isinstance(loaders[0].rows.batcher, SftBatcher)
+    assert loaders[0].packing and len(loaders[0].rows) == 24
 
 
 def test_build_loader_for_dpo_and_grpo(tok):
     d = ROOT / "examples" / "data"
     dpo = build_loader(job(str(d / "preferences-dpo.jsonl"), "dpo"), tok)
-    assert isinstance(dpo.rows, PreferenceRows) and dpo.rows.max_prompt_length == 32
+    assert isinstance(dpo.rows.batcher, PreferenceBatcher)
+    assert dpo.rows.batcher.max_prompt_length == 32
     assert next(dpo)["chosen_ids"].shape == (4, 32)
     grpo = build_loader(job(str(d / "arithmetic-grpo.jsonl"), "grpo"), tok)
-    assert isinstance(grpo.rows, PromptRows) and len(next(grpo)["prompts"]) == 4
+    assert isinstance(grpo.rows.batcher, PromptBatcher) and len(next(grpo)["prompts"]) == 4
 
 
 def test_shipped_example_datasets(tok):
     d = ROOT / "examples" / "data"
-    sft = read_dataset(str(d / "chat-sft.jsonl"))
+    sft = open_records(str(d / "chat-sft.jsonl"))
     assert 250 <= len(sft) <= 400 and sft.columns == ["messages"]
     assert (d / "chat-sft.jsonl").stat().st_size < 100_000
-    ex = tokenize_sft(sft, tok, max_length=256)
-    assert len(ex) == len(sft) and ex.truncated == 0
-    grpo = read_dataset(str(d / "arithmetic-grpo.jsonl"))
+    ex, counts = tokenize_all(sft, tok, max_length=256)
+    assert len(ex) == len(sft) and counts.truncated == 0 and None not in ex
+    grpo = open_records(str(d / "arithmetic-grpo.jsonl"))
     assert len(grpo) >= 150 and {"prompt", "answer"} <= set(grpo.columns)
-    dpo = read_dataset(str(d / "preferences-dpo.jsonl"))
+    dpo = open_records(str(d / "preferences-dpo.jsonl"))
     assert len(dpo) >= 150 and {"prompt", "chosen", "rejected"} <= set(dpo.columns)
     assert (d / "README.md").is_file()
 
@@ -637,23 +689,23 @@ def test_read_dataset_and_tokenizer_from_gcs(gcs, tmp_path, tok, tok_dir):
 
     rows = [chat_row(i) for i in range(10)]
     storage.write_text(f"{gcs}/sft/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    ds = read_dataset(f"{gcs}/sft/train.jsonl")
-    assert ds.rows == rows and ds.where(2) == f"{gcs}/sft/train.jsonl:3"
+    ds = open_records(f"{gcs}/sft/train.jsonl")
+    assert values(ds) == rows and ds.where(2) == f"{gcs}/sft/train.jsonl:3"
     # a directory of parquet shards, read in sorted order
     for name, part in (("b.parquet", rows[4:]), ("a.parquet", rows[:4])):
         _parquet(tmp_path / name, part)
         storage.write_bytes(f"{gcs}/shards/{name}", (tmp_path / name).read_bytes())
-    assert read_dataset(f"{gcs}/shards").rows == rows
+    assert values(open_records(f"{gcs}/shards")) == rows
     # a datasets DatasetDict saved to disk and uploaded
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(
         str(tmp_path / "dd")
     )
     storage.upload_dir(tmp_path / "dd", f"{gcs}/dd")
-    assert read_dataset(f"{gcs}/dd", split="train").rows == rows
+    assert values(open_records(f"{gcs}/dd", split="train")) == rows
     # missing column error names the gs:// object
     storage.write_text(f"{gcs}/bad.jsonl", json.dumps({"prompt": "p", "response": "r"}) + "\n")
     with pytest.raises(DataError, match=rf"^{gcs}/bad\.jsonl: column 'completion'"):
-        tokenize_sft(read_dataset(f"{gcs}/bad.jsonl"), tok)
+        tokenize_sft(open_records(f"{gcs}/bad.jsonl"), tok)
     # the model's tokenizer from gs://, and a chat template file there
     storage.upload_dir(tok_dir, f"{gcs}/model")
     remote = load_tokenizer(f"{gcs}/model")
@@ -661,3 +713,35 @@ def test_read_dataset_and_tokenizer_from_gcs(gcs, tmp_path, tok, tok_dir):
     storage.write_text(f"{gcs}/t.jinja", "{% for m in messages %}{{ m.content }}|{% endfor %}")
     ex = tokenize_sft(ds, remote, chat_template=f"{gcs}/t.jinja")
     assert remote.decode(ex[0]["input_ids"]) == "What is 0 + 0?|Answer: 0.|"
+
+
+def test_pretokenized_rows_skip_the_tokenizer(tok, tmp_path):
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+        {"input_ids": list(range(10, 90))},  # no mask: every token learnt; truncated
+    ]
+    path = _parquet(tmp_path / "tok.parquet", rows)
+    records = open_records(str(path))
+    examples, counts = tokenize_all(records, tok, max_length=64)
+    assert examples[0].input_ids.tolist() == [5, 6, 7, 8]
+    assert examples[0].loss_mask.tolist() == [0, 0, 1, 1]
+    assert examples[1].input_ids.tolist() == list(range(10, 74)) and examples[1].loss_mask.all()
+    assert counts.truncated == 1
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2], "loss_mask": [1]}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: input_ids must be a list .*same length"):
+        tokenize_sft(open_records(str(bad)), tok)
+    big = write_jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 10**6]}])
+    with pytest.raises(DataError, match=r"big\.jsonl:1: input_ids holds ids outside"):
+        tokenize_sft(open_records(str(big)), tok)
+
+
+def test_nothing_is_read_past_the_last_step(sft_rows):
+    rows = sft_rows(n=40, max_length=48)
+    loader = DataLoader(rows, batch_size=4, max_steps=3, prefetch=4)
+    for _ in range(3):
+        next(loader)
+    offsets = rows.records.files[0]._offsets
+    size = np.diff(offsets)
+    drawn = loader.epoch_order(0)[:12]
+    assert rows.records.bytes_read == size[drawn].sum() + size[0]  # and row 0: its columns
+    assert len(next(loader)["row_index"]) == 4  # asked for more, it goes on

@@ -139,7 +139,7 @@ def test_held_out_preference_accuracy_rises(model_dir, pairs, tmp_path):
     assert sorted(result.evals) == [0, 4, 8, 12, 16, 20, 24]
     # Before training the policy is its reference (the adapters are zero): no preference.
     assert accuracy[0] == 0.0 and margin[0] == 0.0
-    # Pairs it never trained on: the preference generalises (0.69 at step 4, 0.72 at the
-    # end when written).
-    assert accuracy[-1] > accuracy[1] > 0.5, accuracy
-    assert margin[-1] > margin[0], margin
+    # Pairs it never trained on: the preference generalises (0.75 at step 4 and at the
+    # end in the streamed order of the data) and the margin keeps growing.
+    assert accuracy[-1] >= accuracy[1] > 0.5, accuracy
+    assert margin[-1] > margin[1] > margin[0], margin

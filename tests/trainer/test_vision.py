@@ -263,9 +263,9 @@ def test_images_need_a_vision_tower():
 # ------------------------------------------------------------------------ data and training
 
 
-def _dataset(tmp_path: Path, rows: list[dict]) -> data.RawDataset:
+def _dataset(tmp_path: Path, rows: list[dict]) -> data.Records:
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return data.read_dataset(str(tmp_path / "train.jsonl"))
+    return data.open_records(str(tmp_path / "train.jsonl"))
 
 
 def _colour_rows(image_dir: str = "images") -> list[dict]:
@@ -292,7 +292,7 @@ def _rows(ds, info, max_length=64):
     from posttrain.trainer.data import image_rows
 
     tokenizer = data.load_tokenizer(str(FIXTURE))
-    return image_rows.ImageSftRows(
+    batcher = image_rows.ImageBatcher(
         ds,
         tokenizer,
         info.vision,
@@ -300,6 +300,7 @@ def _rows(ds, info, max_length=64):
         columns=DataColumns(images="images"),
         max_length=max_length,
     )
+    return data.Rows(ds, batcher)
 
 
 @pytest.fixture
@@ -311,13 +312,13 @@ def image_dir(tmp_path):
 def test_image_rows_batch_text_and_images(image_dir, loaded, golden):
     _, info = loaded
     rows = _rows(_dataset(image_dir, _colour_rows()), info)
-    assert len(rows) == 3 and rows.max_images == 1
+    assert len(rows) == 3
     batch = rows.batch(np.array([2, 0]))
     assert batch["input_ids"].shape == (2, 64) and batch["images"].shape == (2, 1, 32, 32, 3)
     np.testing.assert_allclose(
         batch["images"][1, 0], golden["pixels_rgb_50x37"].transpose(1, 2, 0), atol=PIXEL_TOL
     )
-    assert rows.example_ids(2) == (2,)
+    assert list(batch["row_index"]) == [2, 0]
     soft = batch["input_ids"] == info.vision.image_token_id
     assert soft.sum(axis=1).tolist() == [16, 16] and not batch["loss_mask"][soft].any()
 
@@ -327,7 +328,7 @@ def test_image_rows_name_the_row_and_column_of_bad_images(image_dir, loaded):
     rows = _colour_rows()
     rows[1]["images"] = []  # one image part, no image
     with pytest.raises(data.DataError, match=r"train\.jsonl:2: column 'images'.*0 image"):
-        _rows(_dataset(image_dir, rows), info)
+        _rows(_dataset(image_dir, rows), info).batch([1])
     rows = _colour_rows()
     rows[2]["images"] = ["images/missing.png"]
     source = _rows(_dataset(image_dir, rows), info)
@@ -335,7 +336,7 @@ def test_image_rows_name_the_row_and_column_of_bad_images(image_dir, loaded):
     with pytest.raises(data.DataError, match=r"train\.jsonl:3: column 'images'.*missing\.png"):
         source.batch(np.array([2]))
     with pytest.raises(data.DataError, match=r"train\.jsonl:1: spec\.data\.maxLength=20 cuts"):
-        _rows(_dataset(image_dir, _colour_rows()), info, max_length=20)
+        _rows(_dataset(image_dir, _colour_rows()), info, max_length=20).batch([0])
 
 
 def test_full_finetune_on_images_lowers_the_loss_with_the_tower_frozen(image_dir):

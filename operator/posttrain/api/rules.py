@@ -230,6 +230,12 @@ RULES: list[Rule] = [
         "resources.nodes is for GPU/CPU; a TPU slice's host count comes from its size",
     ),
     Rule(
+        "data.source",
+        "has(self.data.source) != has(self.data.sources)",
+        lambda s: (s.data.source is None) != (s.data.sources is None),
+        "set exactly one of spec.data.source and spec.data.sources",
+    ),
+    Rule(
         "data.columns.images",
         "!has(self.data.columns) || !has(self.data.columns.images) || self.technique == 'sft'",
         lambda s: s.data.columns.images is None or s.technique == "sft",

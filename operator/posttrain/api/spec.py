@@ -153,8 +153,10 @@ class LoraSpec(KubeModel):
 class DataFormat(StrEnum):
     auto = "auto"
     jsonl = "jsonl"
+    json = "json"
     parquet = "parquet"
     arrow = "arrow"
+    arrayrecord = "arrayrecord"
 
 
 class DataColumns(KubeModel):
@@ -187,15 +189,43 @@ class DataColumns(KubeModel):
     row may hold one image or a list. Unset: the job is text-only."""
 
 
+class DataSourceSpec(KubeModel):
+    """One source of a weighted mixture (spec.data.sources)."""
+
+    source: FileLocation = Field(min_length=1, max_length=URI_MAX)
+    """A data file, a directory of them, or a `datasets` save_to_disk directory, as
+    spec.data.source."""
+
+    weight: float = Field(default=1.0, gt=0, le=1_000_000)
+    """Share of the examples drawn from this source, relative to the others' weights.
+    May change when a run resumes: the position in every source is kept."""
+
+    name: str | None = Field(
+        default=None, min_length=1, max_length=NAME_MAX, pattern=r"^[A-Za-z0-9_.-]+$"
+    )
+    """Name in TensorBoard (data/source/<name>) and in held-out metrics. Default: the
+    source's file or directory name."""
+
+
 class DataSpec(KubeModel):
     """Training data."""
 
-    source: FileLocation = Field(min_length=1, max_length=URI_MAX)
-    """A .jsonl or .parquet file, a directory of them, or a Hugging Face `datasets`
-    directory made by save_to_disk; local or gs://."""
+    source: FileLocation | None = Field(default=None, min_length=1, max_length=URI_MAX)
+    """A .jsonl, .json, .parquet, .arrow or .array_record file, a directory of them, or a
+    Hugging Face `datasets` directory made by save_to_disk; local or gs://. Rows are read
+    when a batch needs them. Either source or sources."""
+
+    sources: list[DataSourceSpec] | None = Field(default=None, min_length=1, max_length=32)
+    """A weighted mixture of sources (same columns), interleaved deterministically by
+    weight. Either source or sources."""
 
     format: DataFormat = DataFormat.auto
-    """File format; auto decides from the file extension."""
+    """File format; auto decides from the file extension. arrayrecord: one JSON object a
+    record."""
+
+    max_bad_rows: int = Field(default=0, ge=0, le=1_000_000_000)
+    """Malformed rows (invalid JSON, missing columns, bad messages) to skip, each logged
+    with its file and line, before the run fails; 0: the first one fails it."""
 
     split: str = Field(default="train", min_length=1, max_length=NAME_MAX)
     """Split to read from a `datasets` DatasetDict directory."""
@@ -754,6 +784,9 @@ class Progress(KubeModel):
 
     tokens_per_second: float | None = None
     """Throughput over the last logging interval."""
+
+    bad_rows: int | None = None
+    """Malformed data rows skipped so far by process 0 (spec.data.maxBadRows)."""
 
     eta_seconds: int | None = None
     """Estimated seconds to finish."""

@@ -2,7 +2,7 @@
 
 Every spec.eval.everySteps steps and at the last step, `Evaluation.run` measures the
 model on a fixed list of held-out batches, read once at the start: the same rows on
-every host and never trained on (`data.read_train_and_eval`). Batches have
+every host and never trained on (`data.open_train_and_eval`). Batches have
 spec.training.batchSize rows and are split over hosts like training batches, so each
 evaluation reuses one compiled program. Nothing here draws randomness or changes the
 model: a run with eval trains exactly as one without.
@@ -53,6 +53,7 @@ class Evaluation:
     prompts: list[str] = field(default_factory=list)
     generate: Callable[[str], str] | None = None
     history: History | None = None
+    groups: list[tuple[str, int, int]] = field(default_factory=list)  # (source, batches)
 
     def resume(self, output_uri: str, step: int) -> None:
         """Continue eval.json under output_uri from a run restored at step."""
@@ -70,11 +71,14 @@ class Evaluation:
         return scores
 
     def run(self) -> dict[str, float]:
-        sums: dict[str, float] = {"batches": float(len(self.batches))}
-        for batch in self.batches:
-            for key, value in self.measure(batch).items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-        return self.summarize(sums)
+        """The metrics over every held-out batch, and per source (<source>/<metric>)
+        for a mixture's."""
+        measured = [self.measure(batch) for batch in self.batches]
+        scores = self.summarize(_sums(measured))
+        for name, start, end in self.groups:
+            for key, value in self.summarize(_sums(measured[start:end])).items():
+                scores[f"{name}/{key}"] = value
+        return scores
 
     def samples(self) -> list[tuple[str, str]]:
         """(prompt, greedy completion) for the sample prompts."""
@@ -83,10 +87,19 @@ class Evaluation:
         return [(prompt, self.generate(prompt)) for prompt in self.prompts]
 
 
+def _sums(measured: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = {"batches": float(len(measured))}
+    for quantities in measured:
+        for key, value in quantities.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return sums
+
+
 def held_out_batches(
-    spec: Any, rows: data.RowSource, process_index: int, process_count: int
+    spec: Any, rows: data.Rows, process_index: int, process_count: int
 ) -> list[dict[str, np.ndarray]]:
-    """This host's share of the held-out batches, in the files' order."""
+    """This host's share of the held-out batches, in the files' order (unpacked: each
+    held-out example once)."""
     batch_size = spec.training.batch_size
     if len(rows) < batch_size:
         raise data.DataError(
@@ -100,6 +113,7 @@ def held_out_batches(
         process_index=process_index,
         process_count=process_count,
         shuffle=False,
+        threads=0,
     )
     count = min(spec.eval.max_batches, loader.steps_per_epoch)
     return list(loader.take(count))
@@ -108,21 +122,29 @@ def held_out_batches(
 def build(
     spec: Any,
     tokenizer: data.Tokenizer,
-    held_out: data.RawDataset | None,
+    held_out: data.Records | data.RecordsView | None,
     process: Any,
     measure: Measure,
     summarize: Summarize,
     model: nnx.Module,
 ) -> Evaluation | None:
-    """The job's Evaluation (None without spec.eval)."""
+    """The job's Evaluation (None without spec.eval). `held_out` is the held-out rows, or
+    a mixture's [(source, rows)]: each source is measured alone too."""
     if held_out is None:
         return None
     settings = spec.eval
-    rows = data.build_rows(spec, tokenizer, held_out)
-    batches = held_out_batches(spec, rows, process.process_id, process.num_processes)
+    named = held_out if isinstance(held_out, list) else [("", held_out)]
+    batches: list[dict[str, np.ndarray]] = []
+    groups: list[tuple[str, int, int]] = []
+    for name, records in named:
+        rows = data.build_rows(spec, tokenizer, records)
+        start = len(batches)
+        batches += held_out_batches(spec, rows, process.process_id, process.num_processes)
+        if name and len(named) > 1:
+            groups.append((name, start, len(batches)))
     log.info(
         "held-out evaluation: %d rows, %d batches of %d every %s",
-        len(rows),
+        sum(len(r) for _, r in named),
         len(batches),
         spec.training.batch_size,
         f"{settings.every_steps} steps" if settings.every_steps else "run (at the end)",
@@ -130,9 +152,11 @@ def build(
     prompts: list[str] = []
     generate = None
     if settings.samples:
-        prompts = data.generation_prompts(spec, tokenizer, held_out, settings.samples)
+        prompts = data.generation_prompts(spec, tokenizer, named[0][1], settings.samples)
         generate = _greedy(model, tokenizer, settings.max_new_tokens)
-    return Evaluation(settings.every_steps, batches, measure, summarize, prompts, generate)
+    return Evaluation(
+        settings.every_steps, batches, measure, summarize, prompts, generate, groups=groups
+    )
 
 
 def _greedy(model: nnx.Module, tokenizer: data.Tokenizer, max_new_tokens: int):

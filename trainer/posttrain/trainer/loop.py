@@ -51,6 +51,7 @@ from posttrain.trainer.progress import Progress, StatusWriter
 
 log = logging.getLogger("posttrain.trainer")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+DATA_INDEX = "data-index"  # under output.uri: cached offset indexes of jsonl data
 
 
 @dataclass
@@ -182,7 +183,7 @@ class RunSetup:
     policy: Policy
     tokenizer: data.Tokenizer
     loader: data.DataLoader
-    held_out: data.RawDataset | None
+    held_out: Any  # Records, or [(source name, Records)] of a mixture; None: no spec.eval
     started: tuple[float, float]  # (monotonic, wall clock) when setup began: goodput
 
     def optimizer(self) -> nnx.Optimizer:
@@ -246,7 +247,10 @@ def setup_run(
     log.info("loading the model from %s", spec.model.source)
     policy = load_policy(spec, mesh, scratch)
     tokenizer = data.load_tokenizer(policy.model_dir)
-    log.info("reading the data from %s", spec.data.source)
+    log.info(
+        "reading the data from %s",
+        spec.data.source or ", ".join(entry.source for entry in spec.data.sources),
+    )
     loader, held_out = build_data(spec, tokenizer, process)
     return RunSetup(
         job,
@@ -265,15 +269,32 @@ def setup_run(
 
 def build_data(
     spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
-) -> tuple[data.DataLoader, data.RawDataset | None]:
-    """This host's training loader, and the held-out data of spec.eval (or None)."""
-    ds, held_out = data.read_train_and_eval(spec)
+) -> tuple[data.DataLoader, Any]:
+    """This host's training loader, and the held-out rows of spec.eval (or None; per
+    source for a mixture). Nothing is read but what finds the rows; jsonl offset indexes
+    are cached under output.uri/data-index (built by process 0)."""
+    where = {"index_dir": storage.join(spec.output.uri, DATA_INDEX)}
+    where["process_index"] = process.process_id
+    if spec.data.sources:  # a weighted mixture
+        parts, held_out = data.open_mixture(spec, **where)
+        rows: Any = data.MixedRows(
+            [(name, data.build_rows(spec, tokenizer, r), w) for name, r, w in parts]
+        )
+    else:
+        train_rows, held_out = data.open_train_and_eval(spec, **where)
+        rows = data.build_rows(spec, tokenizer, train_rows)
     loader = data.build_loader(
         spec,
         tokenizer,
         process_index=process.process_id,
         process_count=process.num_processes,
-        rows=data.build_rows(spec, tokenizer, ds),
+        rows=rows,
+    )
+    log.info(
+        "data: %d rows, %d per host a step%s",
+        len(rows),
+        loader.per_host_batch_size,
+        ", packed" if loader.packing else "",
     )
     return loader, held_out
 
@@ -370,6 +391,7 @@ def run_steps(
                     "learning_rate": float(schedule(result.step - 1)),
                     **{k: float(v) for k, v in out.items()},
                     "tokens_per_second": window_tokens / elapsed,
+                    **{f"data/{k}": v for k, v in loader.metrics().items()},
                 }
                 result.losses[result.step] = metrics["loss"]
                 window_start, window_tokens = time.monotonic(), 0
@@ -492,6 +514,10 @@ def gcs_locations(spec: Any) -> list[tuple[str, str]]:
     candidates = [
         ("spec.model.source", spec.model.source),
         ("spec.data.source", spec.data.source),
+        *(
+            (f"spec.data.sources[{k}].source", entry.source)
+            for k, entry in enumerate(spec.data.sources or [])
+        ),
         ("spec.eval.source", spec.eval.source if spec.eval else None),
         ("spec.distill.teacher.source", teacher.source if teacher else None),
         ("spec.lora.restoreFrom", spec.lora.restore_from if spec.lora else None),

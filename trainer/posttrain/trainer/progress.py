@@ -202,6 +202,8 @@ class Progress:
         rollout = {wire: float(metrics[k]) for k, wire in ROLLOUT_METRICS.items() if k in metrics}
         if rollout:
             out["rollout"] = rollout
+        if "data/bad_rows" in metrics:
+            out["badRows"] = int(metrics["data/bad_rows"])
         if (eta := self.eta_seconds(step)) is not None:
             out["etaSeconds"] = eta
         if self.last_checkpoint_step is not None:

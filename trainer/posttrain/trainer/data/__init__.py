@@ -1,22 +1,19 @@
-"""The trainer's data pipeline: read, format, tokenize, pack, shard and batch.
+"""The trainer's data pipeline: streamed on Grain, read and tokenized as batches need it.
 
-    read_dataset(data_spec)            reading: jsonl / parquet / `datasets` save_to_disk,
-                                       local or gs://
-      -> tokenize_sft(...)             formatting + tokenizing: chat template + tokenizer
-                                       -> input_ids, loss_mask
-      -> SftRows(...)                  rows: padded or packed rows (segment_ids, positions)
-      -> DataLoader(rows, ...)         loader: per-host batches of a global batch,
-                                       deterministic shuffle by seed and epoch,
+    open_records(source)               reading + record_files: random-access rows of
+                                       jsonl / json / parquet / arrow / ArrayRecord files,
+                                       local or gs:// (a jsonl byte-offset index, cached)
+      -> build_rows(spec, tokenizer)   rows: the technique's batcher (formatting +
+                                       tokenizing: chat template, loss mask; padding)
+      -> DataLoader(rows, ...)         loader: a Grain index dataset (Feistel shuffle per
+                                       epoch), this host's rows of each global batch,
+                                       streaming packing in bounded windows,
                                        get_state()/set_state()
 
-`build_loader(spec, tokenizer, ...)` wires these for a PostTrainJobSpec. Preference rows
-(DPO) and prompt rows (GRPO) are row sources for the same DataLoader. The tokenizer and
-its chat template: `tokenizer`.
-
-Every host reads and tokenizes the whole dataset (once, up front) and takes its own
-slice of each global batch, so hosts need no coordination: all of them compute the same
-permutation from the seed. Errors a user can cause raise DataError with the file, the
-column and the spec field to fix.
+`build_loader(spec, tokenizer, ...)` wires these for a PostTrainJobSpec. Each host reads
+only the rows it trains on; all hosts agree on the order because it is a function of the
+seed. Errors a user can cause raise DataError with the file, the row, the column and the
+spec field to fix, when the row is reached.
 """
 
 from __future__ import annotations
@@ -25,58 +22,60 @@ from posttrain.trainer.data.errors import DataError
 from posttrain.trainer.data.formatting import (
     generation_prompts,
     render_conversation,
-    sft_conversations,
+    sft_conversation,
+    uses_messages,
 )
 from posttrain.trainer.data.loader import DataLoader, build_loader
+from posttrain.trainer.data.mixing import MixedRows, mixed_counts, open_mixture
 from posttrain.trainer.data.reading import (
-    FilePart,
-    RawDataset,
+    Records,
+    RecordsView,
+    Row,
     data_files,
     held_out_split,
-    read_dataset,
-    read_train_and_eval,
+    open_records,
+    open_train_and_eval,
 )
 from posttrain.trainer.data.rows import (
     Batch,
-    PreferenceRows,
-    PromptRows,
-    RowSource,
-    SftRows,
+    PreferenceBatcher,
+    PromptBatcher,
+    Rows,
+    SftBatcher,
     build_rows,
-    data_summary,
     pack_examples,
 )
 from posttrain.trainer.data.tokenizer import Tokenizer, load_tokenizer
-from posttrain.trainer.data.tokenizing import (
-    TokenizedExamples,
-    encoding_span_mask,
-    tokenize_sft,
-)
+from posttrain.trainer.data.tokenizing import Example, SftTokenizer, encoding_span_mask
 
 __all__ = [
     "Batch",
     "DataError",
     "DataLoader",
-    "FilePart",
-    "PreferenceRows",
-    "PromptRows",
-    "RawDataset",
-    "RowSource",
-    "SftRows",
-    "TokenizedExamples",
+    "Example",
+    "MixedRows",
+    "PreferenceBatcher",
+    "PromptBatcher",
+    "Records",
+    "RecordsView",
+    "Row",
+    "Rows",
+    "SftBatcher",
+    "SftTokenizer",
     "Tokenizer",
     "build_loader",
     "build_rows",
     "data_files",
-    "data_summary",
     "encoding_span_mask",
     "generation_prompts",
     "held_out_split",
     "load_tokenizer",
+    "mixed_counts",
+    "open_mixture",
+    "open_records",
+    "open_train_and_eval",
     "pack_examples",
-    "read_dataset",
-    "read_train_and_eval",
     "render_conversation",
-    "sft_conversations",
-    "tokenize_sft",
+    "sft_conversation",
+    "uses_messages",
 ]

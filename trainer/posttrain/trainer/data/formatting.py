@@ -9,11 +9,11 @@ from typing import Any
 
 from posttrain.trainer.chat_template import ChatTemplate, ChatTemplateError
 from posttrain.trainer.data.errors import DataError
-from posttrain.trainer.data.reading import RawDataset
+from posttrain.trainer.data.reading import Row
 from posttrain.trainer.data.tokenizer import Tokenizer
 
 
-def as_messages(value: Any, role: str, where: str, field_name: str) -> list[dict[str, Any]]:
+def as_messages(value: Any, role: str, where: Any, field_name: str) -> list[dict[str, Any]]:
     """A string as one message of `role`, or a validated list of {role, content}."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
@@ -35,59 +35,68 @@ def as_messages(value: Any, role: str, where: str, field_name: str) -> list[dict
     return out
 
 
-def _messages_value(ds: RawDataset, i: int, column: str, field_name: str) -> Any:
-    v = ds.value(i, column, field_name)
+def _messages_value(row: Row, column: str) -> Any:
+    v = row.value(column, "messages")
     if isinstance(v, str) and v.lstrip().startswith("["):  # messages stored as JSON text
         try:
             v = json.loads(v)
         except json.JSONDecodeError as e:
-            raise DataError(f"{ds.where(i)}: column {column!r} is not valid JSON: {e}") from e
+            raise DataError(f"{row.where}: column {column!r} is not valid JSON: {e}") from e
     return v
 
 
-def sft_conversations(ds: RawDataset, columns: Any) -> list[list[dict[str, Any]]]:
-    """Each row as a conversation: the messages column when the data has it, else
-    prompt/completion as a user turn and an assistant turn."""
-    if ds.has(columns.messages):
-        ds.require(columns.messages, "messages")
-        convs = []
-        for i in range(len(ds)):
-            msgs = as_messages(
-                _messages_value(ds, i, columns.messages, "messages"),
-                "user",
-                ds.where(i),
-                "messages",
-            )
-            if not any(m.get("role") == "assistant" for m in msgs):
-                raise DataError(
-                    f"{ds.where(i)}: column {columns.messages!r} (spec.data.columns.messages)"
-                    " has no assistant message to learn"
-                )
-            convs.append(msgs)
-        return convs
-    if not ds.has(columns.prompt):
-        part = ds.parts[0]
+def uses_messages(records: Any, columns: Any) -> bool:
+    """Whether rows are conversations in the messages column (else prompt + completion);
+    DataError naming the file when the columns for either are missing."""
+    if records.has(columns.messages):
+        records.require(columns.messages, "messages")
+        return True
+    if not records.has(columns.prompt):
+        f = records.files[0]
         raise DataError(
-            f"{part.path}: column {columns.messages!r} (spec.data.columns.messages) not "
+            f"{f.path}: column {columns.messages!r} (spec.data.columns.messages) not "
             f"found, nor column {columns.prompt!r} (spec.data.columns.prompt) with "
             f"{columns.completion!r} (spec.data.columns.completion); columns are: "
-            f"{', '.join(part.columns) or '(none)'}"
+            f"{', '.join(f.columns) or '(none)'}"
         )
-    ds.require(columns.prompt, "prompt")
-    ds.require(columns.completion, "completion")
-    convs = []
-    for i in range(len(ds)):
-        where = ds.where(i)
-        prompt = as_messages(ds.value(i, columns.prompt, "prompt"), "user", where, "prompt")
-        completion = as_messages(
-            ds.value(i, columns.completion, "completion"), "assistant", where, "completion"
-        )
-        convs.append(prompt + completion)
-    return convs
+    records.require(columns.prompt, "prompt")
+    records.require(columns.completion, "completion")
+    return False
+
+
+def sft_conversation(row: Row, columns: Any, messages: bool) -> list[dict[str, Any]]:
+    """A row as a conversation: its messages column (`messages`), else prompt and
+    completion as a user turn and an assistant turn."""
+    if messages:
+        msgs = as_messages(_messages_value(row, columns.messages), "user", Where(row), "messages")
+        if not any(m.get("role") == "assistant" for m in msgs):
+            raise DataError(
+                f"{row.where}: column {columns.messages!r} (spec.data.columns.messages)"
+                " has no assistant message to learn"
+            )
+        return msgs
+    prompt = as_messages(row.value(columns.prompt, "prompt"), "user", Where(row), "prompt")
+    completion = as_messages(
+        row.value(columns.completion, "completion"), "assistant", Where(row), "completion"
+    )
+    return prompt + completion
+
+
+class Where:
+    """A row's location, found only when a message is formatted with it."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+
+    def __str__(self) -> str:
+        return self.row.where
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def render_conversation(
-    template: ChatTemplate | None, conversation: list[dict[str, Any]], where: str
+    template: ChatTemplate | None, conversation: list[dict[str, Any]], where: Any
 ) -> tuple[str, list[tuple[int, int]], bool]:
     """Text, assistant character spans, and whether the tokenizer should add its own
     special tokens (only without a chat template)."""
@@ -109,11 +118,11 @@ def render_conversation(
     return text, spans, False
 
 
-def prompt_messages(value: Any, where: str) -> list[dict[str, Any]]:
+def prompt_messages(value: Any, where: Any) -> list[dict[str, Any]]:
     return as_messages(value, "user", where, "prompt")
 
 
-def render_prompt(template: ChatTemplate | None, messages: list[dict[str, Any]], where: str) -> str:
+def render_prompt(template: ChatTemplate | None, messages: list[dict[str, Any]], where: Any) -> str:
     if template is None:
         if len(messages) != 1 or not isinstance(messages[0]["content"], str):
             raise DataError(
@@ -127,20 +136,19 @@ def render_prompt(template: ChatTemplate | None, messages: list[dict[str, Any]],
         raise DataError(f"{where}: {e}") from e
 
 
-def generation_prompts(spec: Any, tokenizer: Tokenizer, ds: RawDataset, n: int) -> list[str]:
+def generation_prompts(spec: Any, tokenizer: Tokenizer, records: Any, n: int) -> list[str]:
     """The first n rows' prompts, rendered with the generation prompt: the conversation
     before its last assistant turn (sft, distill) or the prompt column (dpo, grpo)."""
     columns, template = spec.data.columns, tokenizer.template(spec.data.chat_template)
-    first = ds.subset(range(min(n, len(ds))))
+    rows = [records[i] for i in range(min(n, len(records)))]
     if str(spec.technique) in ("dpo", "grpo"):
-        first.require(columns.prompt, "prompt")
-        messages = [
-            prompt_messages(first.value(i, columns.prompt, "prompt"), first.where(i))
-            for i in range(len(first))
-        ]
+        records.require(columns.prompt, "prompt")
+        messages = [prompt_messages(r.value(columns.prompt, "prompt"), Where(r)) for r in rows]
     else:
+        use = uses_messages(records, columns)
         messages = []
-        for conv in sft_conversations(first, columns):
+        for r in rows:
+            conv = sft_conversation(r, columns, use)
             last = max(i for i, m in enumerate(conv) if m.get("role") == "assistant")
             messages.append(conv[:last])
-    return [render_prompt(template, m, first.where(i)) for i, m in enumerate(messages)]
+    return [render_prompt(template, m, Where(r)) for r, m in zip(rows, messages, strict=True)]

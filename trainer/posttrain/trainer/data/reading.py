@@ -1,14 +1,14 @@
-"""Reading a data source: jsonl / json / parquet / arrow files, a directory of them, or a
-``datasets`` save_to_disk directory, local or gs://; and the held-out split of spec.eval.
+"""A data source as random-access rows (``Records``): jsonl / json / parquet / arrow /
+ArrayRecord files, a directory of them, or a ``datasets`` save_to_disk directory; local
+or gs://. Nothing is read until a row is asked for, except what finds the rows: a
+jsonl file's byte-offset index (built once, cached), parquet footers, arrow schemas.
 
-A ``RawDataset`` keeps every row and where it came from (file and line), so that errors
-name them.
+``Records`` is a Grain random-access data source (``__len__``, ``__getitem__``).
+``held_out_split`` takes spec.eval's held-out rows out of it without reading any.
 """
 
 from __future__ import annotations
 
-import bisect
-import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,81 +17,177 @@ from typing import Any
 import numpy as np
 
 from posttrain.trainer import storage
+from posttrain.trainer.data import record_files
 from posttrain.trainer.data.errors import DataError
 
 JSONL_EXTS = (".jsonl", ".json", ".ndjson")
 PARQUET_EXTS = (".parquet", ".pq")
 ARROW_EXTS = (".arrow",)
+ARRAY_RECORD_EXTS = (".array_record", ".arrayrecord")
+FORMATS_NAMED = "jsonl, json, parquet, arrow or arrayrecord"
 
 
-@dataclass
-class FilePart:
-    path: str
-    columns: list[str]
-    start: int  # index of its first row in RawDataset.rows
-    lines: list[int] | None = None  # jsonl line number of each row
+@dataclass(frozen=True)
+class Row:
+    """A row's values, its index in its Records, and where it is (for messages)."""
 
-
-@dataclass
-class RawDataset:
-    """Rows (dicts) of a dataset and where each came from."""
-
-    source: str
-    rows: list[dict[str, Any]]
-    parts: list[FilePart]
-    origin: list[int] | None = None  # a subset's row i is row origin[i] of the files
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def subset(self, indices: Sequence[int]) -> RawDataset:
-        """These rows, in this order; error messages still name their files and lines."""
-        origin = [self.origin[i] if self.origin is not None else int(i) for i in indices]
-        return RawDataset(self.source, [self.rows[i] for i in indices], self.parts, origin)
+    index: int
+    values: dict[str, Any]
+    records: Any
 
     @property
-    def columns(self) -> list[str]:
-        """Columns of the first file."""
-        return self.parts[0].columns if self.parts else []
+    def where(self) -> str:
+        return self.records.where(self.index)
 
-    def _part(self, i: int) -> FilePart:
-        starts = [p.start for p in self.parts]
-        return self.parts[bisect.bisect_right(starts, i) - 1]
-
-    def where(self, i: int) -> str:
-        """'file:line' (jsonl) or 'file (row n)' of row i, for error messages."""
-        i = self.origin[i] if self.origin is not None else i
-        part = self._part(i)
-        if part.lines is not None:
-            return f"{part.path}:{part.lines[i - part.start]}"
-        return f"{part.path} (row {i - part.start})"
-
-    def require(self, column: str, field_name: str) -> None:
-        """Raise DataError naming the first file without `column`."""
-        for part in self.parts:
-            if column not in part.columns:
-                raise DataError(
-                    f"{part.path}: column {column!r} (spec.data.columns.{field_name}) not "
-                    f"found; columns are: {', '.join(part.columns) or '(none)'}"
-                )
-
-    def has(self, column: str) -> bool:
-        return bool(self.parts) and column in self.parts[0].columns
-
-    def value(self, i: int, column: str, field_name: str) -> Any:
-        """rows[i][column], or DataError naming the row when missing or null."""
-        v = self.rows[i].get(column)
+    def value(self, column: str, field_name: str) -> Any:
+        """values[column], or DataError naming the row when missing or null."""
+        v = self.values.get(column)
         if v is None:
             raise DataError(
-                f"{self.where(i)}: column {column!r} (spec.data.columns.{field_name}) is "
+                f"{self.where}: column {column!r} (spec.data.columns.{field_name}) is "
                 "missing or null in this row"
             )
         return v
 
 
+class Records:
+    """The rows of a data source, by index across its files (Grain's
+    RandomAccessDataSource): the files' row counts are all it keeps."""
+
+    def __init__(self, source: str, files: Sequence[record_files.RecordFile]) -> None:
+        self.source = source
+        self.files = [f for f in files if len(f)]
+        self._starts = np.zeros(len(self.files) + 1, np.int64)
+        np.cumsum([len(f) for f in self.files], out=self._starts[1:])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _locate(self, i: int) -> tuple[record_files.RecordFile, int]:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.files[k], i - int(self._starts[k])
+
+    def __getitem__(self, i: int) -> Row:
+        f, j = self._locate(i)
+        return Row(int(i), f.read(j), self)
+
+    def read_many(self, indices: Sequence[int]) -> list[Row]:
+        """Rows by index, in that order, read a file at a time (one call per file for
+        formats that read in batches)."""
+        out: list[Row | None] = [None] * len(indices)
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for k, i in enumerate(indices):
+            i = int(i)
+            if not 0 <= i < len(self):
+                raise IndexError(f"row {i} of {len(self)}")
+            f = int(np.searchsorted(self._starts, i, side="right")) - 1
+            by_file.setdefault(f, []).append((k, i))
+        for f, wanted in by_file.items():
+            start = int(self._starts[f])
+            values = self.files[f].read_many([i - start for _, i in wanted])
+            for (k, i), v in zip(wanted, values, strict=True):
+                out[k] = Row(i, v, self)
+        return out  # type: ignore[return-value]
+
+    def where(self, i: int) -> str:
+        """'file:line' (jsonl) or 'file (row n)' of row i, for error messages."""
+        f, j = self._locate(i)
+        return f.where(j)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the files so far (rows, and row groups for parquet)."""
+        return sum(f.bytes_read for f in self.files)
+
+    @property
+    def columns(self) -> list[str]:
+        """Columns of the first file."""
+        return self.files[0].columns if self.files else []
+
+    def has(self, column: str) -> bool:
+        return column in self.columns
+
+    def require(self, column: str, field_name: str) -> None:
+        """Raise DataError naming the first file without `column`."""
+        for f in self.files:
+            if column not in f.columns:
+                raise DataError(
+                    f"{f.path}: column {column!r} (spec.data.columns.{field_name}) not "
+                    f"found; columns are: {', '.join(f.columns) or '(none)'}"
+                )
+
+
+class RecordsView:
+    """Some rows of a Records, by a map from view index to row index: an index array
+    (`indices`), or the rows at positions [offset, offset + length) of a seeded
+    Feistel permutation (nothing kept per row)."""
+
+    def __init__(
+        self,
+        records: Records,
+        *,
+        indices: np.ndarray | None = None,
+        offset: int = 0,
+        length: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.records = records
+        self.source = records.source
+        self.files = records.files
+        self._indices = indices
+        self._offset, self._length, self._seed = offset, length, seed
+
+    def __len__(self) -> int:
+        return len(self._indices) if self._indices is not None else self._length
+
+    def origin(self, i: int) -> int:
+        """The row index in the whole Records of view row i."""
+        if self._indices is not None:
+            return int(self._indices[i])
+        if not 0 <= i < self._length:
+            raise IndexError(f"row {i} of {self._length}")
+        return _permuted(self._offset + int(i), len(self.records), self._seed)
+
+    def __getitem__(self, i: int) -> Row:
+        row = self.records[self.origin(i)]
+        return Row(int(i), row.values, self)
+
+    def read_many(self, indices: Sequence[int]) -> list[Row]:
+        rows = self.records.read_many([self.origin(int(i)) for i in indices])
+        return [Row(int(i), r.values, self) for i, r in zip(indices, rows, strict=True)]
+
+    def where(self, i: int) -> str:
+        return self.records.where(self.origin(i))
+
+    @property
+    def bytes_read(self) -> int:
+        return self.records.bytes_read
+
+    @property
+    def columns(self) -> list[str]:
+        return self.records.columns
+
+    def has(self, column: str) -> bool:
+        return self.records.has(column)
+
+    def require(self, column: str, field_name: str) -> None:
+        self.records.require(column, field_name)
+
+
+def _permuted(position: int, n: int, seed: int) -> int:
+    from grain._src.python.experimental.index_shuffle.python import (
+        index_shuffle_module as index_shuffle,
+    )
+
+    return int(index_shuffle.index_shuffle(position, max_index=n - 1, seed=seed, rounds=4))
+
+
 def _fmt_of(path: str, declared: str) -> str | None:
     if declared != "auto":
-        return declared
+        return "jsonl" if declared == "json" else declared
     low = path.lower()
     if low.endswith(JSONL_EXTS):
         return "jsonl"
@@ -99,62 +195,9 @@ def _fmt_of(path: str, declared: str) -> str | None:
         return "parquet"
     if low.endswith(ARROW_EXTS):
         return "arrow"
+    if low.endswith(ARRAY_RECORD_EXTS) or ".array_record-" in low:
+        return "arrayrecord"
     return None
-
-
-def _read_jsonl(path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    text = storage.read_bytes(path).decode("utf-8-sig")
-    if text.lstrip().startswith("["):  # a JSON array file
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: invalid JSON: {e}") from e
-        lines = list(range(1, len(rows) + 1))
-    else:
-        rows, lines = [], []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: invalid JSON: {e}") from e
-            lines.append(n)
-    for row, n in zip(rows, lines, strict=True):
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{n}: each line must be a JSON object, got {type(row)}")
-    return rows, lines
-
-
-def _arrow_table_of(path: str) -> Any:
-    import pyarrow as pa
-    import pyarrow.ipc
-
-    def source() -> Any:
-        if storage.is_gcs(path):
-            return pa.BufferReader(storage.read_bytes(path))
-        return pa.memory_map(path)
-
-    try:
-        return pa.ipc.open_stream(source()).read_all()  # what datasets.save_to_disk writes
-    except pa.ArrowInvalid:
-        return pa.ipc.open_file(source()).read_all()
-
-
-def _read_table(path: str, fmt: str) -> Any:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        if fmt == "parquet":
-            if storage.is_gcs(path):
-                return pq.read_table(io.BytesIO(storage.read_bytes(path)))
-            return pq.read_table(path)
-        return _arrow_table_of(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise DataError(f"{path}: not a readable {fmt} file: {e}") from e
 
 
 def _datasets_dir_files(root: str, split: str) -> list[str]:
@@ -193,7 +236,7 @@ def data_files(source: str, *, format: str = "auto", split: str = "train") -> li
         if fmt is None:
             raise DataError(
                 f"{source}: cannot tell the format from the extension; set spec.data.format "
-                "(jsonl, parquet or arrow)"
+                f"({FORMATS_NAMED})"
             )
         return [(source, fmt)]
     if format in ("auto", "arrow") and _is_datasets_dir(source):
@@ -201,59 +244,79 @@ def data_files(source: str, *, format: str = "auto", split: str = "train") -> li
     files = []
     for f in storage.list_uri(source):
         fmt = _fmt_of(f, "auto")
-        if fmt is not None and (format == "auto" or fmt == format):
+        if fmt is not None and (format == "auto" or fmt == _fmt_of(f, format)):
             files.append((f, fmt))
     if not files:
         raise DataError(
-            f"{source}: the directory holds no .jsonl, .parquet or .arrow files (spec.data.source)"
+            f"{source}: the directory holds no .jsonl, .parquet, .arrow or .array_record "
+            "files (spec.data.source)"
         )
     return files
 
 
-def read_dataset(source: str, *, format: str = "auto", split: str = "train") -> RawDataset:
-    """Read every row of a jsonl/parquet/arrow file, a directory of them (sorted), or a
-    `datasets` save_to_disk directory; local or gs://. Empty data is a DataError."""
-    rows: list[dict[str, Any]] = []
-    parts: list[FilePart] = []
-    for path, fmt in data_files(source, format=format, split=split):
-        if fmt == "jsonl":
-            file_rows, lines = _read_jsonl(path)
-            columns = list(file_rows[0]) if file_rows else []
-            parts.append(FilePart(path, columns, len(rows), lines))
-        else:
-            table = _read_table(path, fmt)
-            file_rows = table.to_pylist()
-            parts.append(FilePart(path, list(table.column_names), len(rows)))
-        rows.extend(file_rows)
-    if not rows:
+def open_file(
+    path: str, fmt: str, index_dir: str | None = None, process_index: int = 0
+) -> record_files.RecordFile:
+    if fmt == "jsonl":
+        return record_files.open_json(path, index_dir, process_index)
+    if fmt == "parquet":
+        return record_files.ParquetFile(path)
+    if fmt == "arrow":
+        return record_files.ArrowFile(path)
+    return record_files.ArrayRecordFile(path)
+
+
+def open_records(
+    source: str,
+    *,
+    format: str = "auto",
+    split: str = "train",
+    index_dir: str | None = None,
+    process_index: int = 0,
+) -> Records:
+    """The rows of a file, a directory of files (sorted) or a `datasets` save_to_disk
+    directory; local or gs://. jsonl offset indexes are cached under `index_dir` (built
+    by process 0, read by the others) when given. Empty data is a DataError."""
+    files = [
+        open_file(path, fmt, index_dir, process_index)
+        for path, fmt in data_files(source, format=format, split=split)
+    ]
+    records = Records(str(source), files)
+    if not len(records):
         raise DataError(f"{source}: the dataset is empty (no rows) (spec.data.source)")
-    return RawDataset(source=str(source), rows=rows, parts=[p for p in parts if p.columns])
+    return records
 
 
-def held_out_split(ds: RawDataset, fraction: float, seed: int) -> tuple[RawDataset, RawDataset]:
+def held_out_split(records: Records, fraction: float, seed: int) -> tuple[RecordsView, RecordsView]:
     """(training rows, held-out rows): round(fraction * n) rows (at least one, at most
-    n - 1) drawn by numpy's default_rng(seed), the same on every host; both keep the
-    files' order."""
-    n = len(ds)
+    n - 1), the first positions of a Feistel permutation seeded by `seed` (the same on
+    every host, nothing read). The held-out rows keep the files' order; the training
+    rows are the rest of the permutation."""
+    n = len(records)
     if n < 2:
         raise DataError(
-            f"{ds.source}: {n} row(s) cannot be split into training and held-out data "
+            f"{records.source}: {n} row(s) cannot be split into training and held-out data "
             "(spec.eval.fraction); give spec.eval.source instead"
         )
     k = min(max(1, round(fraction * n)), n - 1)
-    held = np.zeros(n, dtype=bool)
-    held[np.random.default_rng(seed).permutation(n)[:k]] = True
-    return ds.subset(np.flatnonzero(~held)), ds.subset(np.flatnonzero(held))
+    held = np.sort(np.fromiter((_permuted(t, n, seed) for t in range(k)), np.int64, count=k))
+    return RecordsView(records, offset=k, length=n - k, seed=seed), RecordsView(
+        records, indices=held
+    )
 
 
-def read_train_and_eval(spec: Any) -> tuple[RawDataset, RawDataset | None]:
-    """The training data and the held-out data of spec.eval (None without spec.eval):
+def open_train_and_eval(
+    spec: Any, *, index_dir: str | None = None, process_index: int = 0
+) -> tuple[Records | RecordsView, Records | RecordsView | None]:
+    """The training rows and the held-out rows of spec.eval (None without spec.eval):
     spec.eval.source when given, else spec.eval.fraction of the training data."""
     data = spec.data
-    ds = read_dataset(data.source, format=data.format, split=data.split)
+    kw = {"index_dir": index_dir, "process_index": process_index}
+    records = open_records(data.source, format=data.format, split=data.split, **kw)
     settings = getattr(spec, "eval", None)
     if settings is None:
-        return ds, None
+        return records, None
     if settings.source:
-        return ds, read_dataset(settings.source, format=data.format, split=settings.split)
-    return held_out_split(ds, settings.fraction, spec.training.seed)
+        held = open_records(settings.source, format=data.format, split=settings.split, **kw)
+        return records, held
+    return held_out_split(records, settings.fraction, spec.training.seed)

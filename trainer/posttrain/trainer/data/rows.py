@@ -1,7 +1,7 @@
-"""The rows a technique trains on, each a ``RowSource`` the ``DataLoader`` batches:
-``SftRows`` (tokenized examples padded, or packed several to a row), ``PreferenceRows``
-(DPO/ORPO: prompt, chosen, rejected) and ``PromptRows`` (GRPO: prompt and answer);
-``build_rows`` picks the one of a PostTrainJobSpec."""
+"""The rows a technique trains on (``Rows``: records and a batcher that turns rows into a
+batch when it is needed): ``SftBatcher`` (tokenized examples padded, or packed several to
+a row), ``PreferenceBatcher`` (DPO/ORPO: prompt, chosen, rejected) and ``PromptBatcher``
+(GRPO: prompt and answer); ``build_rows`` picks the one of a PostTrainJobSpec."""
 
 from __future__ import annotations
 
@@ -13,22 +13,42 @@ import numpy as np
 
 from posttrain.trainer.chat_template import ChatTemplate, ChatTemplateError
 from posttrain.trainer.data.errors import DataError
-from posttrain.trainer.data.formatting import as_messages, prompt_messages, render_prompt
-from posttrain.trainer.data.reading import RawDataset, read_dataset
+from posttrain.trainer.data.formatting import Where, as_messages, prompt_messages, render_prompt
+from posttrain.trainer.data.reading import Row, open_records
 from posttrain.trainer.data.tokenizer import Tokenizer
-from posttrain.trainer.data.tokenizing import TokenizedExamples, tokenize_sft
+from posttrain.trainer.data.tokenizing import Example, SftTokenizer
 
 Batch = dict[str, np.ndarray]
 
 
-class RowSource(Protocol):
-    """What DataLoader batches: a fixed number of rows, built by index."""
+class Batcher(Protocol):
+    """Rows -> a host batch of fixed-shape numpy arrays."""
 
-    def __len__(self) -> int: ...
+    def batch(self, rows: Sequence[Row]) -> Batch: ...
 
-    def batch(self, rows: np.ndarray) -> Batch: ...
 
-    def example_ids(self, row: int) -> tuple[int, ...]: ...
+class Rows:
+    """A technique's rows: Records (read by index when a batch needs them) and the
+    batcher that formats and tokenizes them. ``batch(indices)`` builds one batch;
+    the DataLoader draws indices (shuffled, sharded by host) and packs SFT examples."""
+
+    def __init__(self, records: Any, batcher: Any) -> None:
+        self.records = records
+        self.batcher = batcher
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def packable(self) -> bool:
+        return isinstance(self.batcher, SftBatcher)
+
+    def read(self, indices: Sequence[int] | np.ndarray) -> list[Row]:
+        return self.records.read_many([int(i) for i in indices])
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """The batch of these rows (row i of the batch is row indices[i])."""
+        return self.batcher.batch(self.read(indices))
 
 
 def pack_examples(lengths: Sequence[int] | np.ndarray, max_length: int) -> list[list[int]]:
@@ -57,73 +77,55 @@ def pack_examples(lengths: Sequence[int] | np.ndarray, max_length: int) -> list[
     return rows
 
 
-class SftRows:
+class SftBatcher:
     """Fixed-length rows of tokenized examples: one example per row padded to
-    max_length, or several packed per row.
+    max_length (`batch`), or several packed per row (`packed`).
 
     A batch holds int32 arrays of shape [b, max_length]: input_ids (pad_id after the
     tokens), loss_mask (0 on padding), segment_ids (1..n per example in the row, 0 on
-    padding) and positions (from 0 within each example, 0 on padding).
+    padding) and positions (from 0 within each example, 0 on padding); and
+    example_rows int32 [b, max_length], the row index of each token's example (-1 on
+    padding). An example dropped for having no loss token is a row of padding.
     """
 
-    def __init__(
-        self,
-        examples: TokenizedExamples,
-        *,
-        max_length: int,
-        pad_id: int,
-        packing: bool = False,
-    ) -> None:
-        self.examples = examples
+    def __init__(self, tokenize: SftTokenizer, *, max_length: int, pad_id: int) -> None:
+        self.tokenize = tokenize
         self.max_length = max_length
         self.pad_id = int(pad_id)
-        self.packing = packing
-        if packing:
-            members = pack_examples(examples.lengths, max_length)
-        else:
-            members = [[i] for i in range(len(examples))]
-        self._members = np.fromiter((m for row in members for m in row), dtype=np.int64)
-        self._row_offsets = np.zeros(len(members) + 1, dtype=np.int64)
-        np.cumsum([len(r) for r in members], out=self._row_offsets[1:])
         self._arange = np.arange(max_length, dtype=np.int32)
 
-    def __len__(self) -> int:
-        return len(self._row_offsets) - 1
+    pads_missing_rows = True  # a None row (skipped as malformed) is a row of padding
 
-    def members(self, row: int) -> np.ndarray:
-        """Indices (into examples) of the examples in a row."""
-        return self._members[self._row_offsets[row] : self._row_offsets[row + 1]]
+    def batch(self, rows: Sequence[Row | None]) -> Batch:
+        examples = iter(self.tokenize([r for r in rows if r is not None]))
+        members = [[] if r is None else [e] if (e := next(examples)) else [] for r in rows]
+        return self.packed(members)
 
-    def example_ids(self, row: int) -> tuple[int, ...]:
-        """Dataset row indices of the examples in a row."""
-        return tuple(int(self.examples.example_ids[m]) for m in self.members(row))
-
-    def fill_ratio(self) -> float:
-        """Fraction of row tokens that are real tokens (not padding)."""
-        return self.examples.num_tokens / max(1, len(self) * self.max_length)
-
-    def batch(self, rows: np.ndarray) -> Batch:
-        b, L = len(rows), self.max_length
+    def packed(self, members: Sequence[Sequence[Example]]) -> Batch:
+        """A batch with row r holding the examples members[r], in order."""
+        b, L = len(members), self.max_length
         ids = np.full((b, L), self.pad_id, dtype=np.int32)
         mask = np.zeros((b, L), dtype=np.int32)
         seg = np.zeros((b, L), dtype=np.int32)
         pos = np.zeros((b, L), dtype=np.int32)
-        ex = self.examples
-        for r, row in enumerate(rows):
+        origin = np.full((b, L), -1, dtype=np.int32)
+        for r, row in enumerate(members):
             o = 0
-            for s, m in enumerate(self.members(int(row)), 1):
-                a, z = ex.offsets[m], ex.offsets[m + 1]
-                n = int(z - a)
-                ids[r, o : o + n] = ex.input_ids[a:z]
-                mask[r, o : o + n] = ex.loss_mask[a:z]
+            for s, ex in enumerate(row, 1):
+                n = len(ex.input_ids)
+                ids[r, o : o + n] = ex.input_ids
+                mask[r, o : o + n] = ex.loss_mask
                 seg[r, o : o + n] = s
                 pos[r, o : o + n] = self._arange[:n]
+                origin[r, o : o + n] = ex.row
                 o += n
-        return {"input_ids": ids, "loss_mask": mask, "segment_ids": seg, "positions": pos}
-
-    def row(self, i: int) -> Batch:
-        """Row i as a dict of [max_length] arrays."""
-        return {k: v[0] for k, v in self.batch(np.array([i])).items()}
+        return {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "segment_ids": seg,
+            "positions": pos,
+            "example_rows": origin,
+        }
 
 
 def _left_pad(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np.ndarray, ...]:
@@ -147,7 +149,7 @@ def _right_pad(seqs: Sequence[Sequence[int]], length: int, pad: int) -> tuple[np
     return ids, mask
 
 
-class PreferenceRows:
+class PreferenceBatcher:
     """DPO/ORPO rows from prompt, chosen and rejected columns (text or messages).
 
     A batch matches tunix's DPO TrainingInput: prompt_ids/prompt_mask [b, P] left-padded
@@ -158,7 +160,7 @@ class PreferenceRows:
 
     def __init__(
         self,
-        ds: RawDataset,
+        records: Any,
         tokenizer: Tokenizer,
         *,
         columns: Any = None,
@@ -168,47 +170,61 @@ class PreferenceRows:
     ) -> None:
         from posttrain.api.spec import DataColumns
 
-        columns = columns or DataColumns()
+        self.columns = columns = columns or DataColumns()
         for col, name in (
             (columns.prompt, "prompt"),
             (columns.chosen, "chosen"),
             (columns.rejected, "rejected"),
         ):
-            ds.require(col, name)
+            records.require(col, name)
+        self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.max_completion_length = max_completion_length
         self.pad_id = tokenizer.pad_id
-        template = tokenizer.template(chat_template)
+        self.template = tokenizer.template(chat_template)
+
+    def batch(self, rows: Sequence[Row]) -> Batch:
+        columns, template, tokenizer = self.columns, self.template, self.tokenizer
         prompts, chosen, rejected = [], [], []
-        for i in range(len(ds)):
-            where = ds.where(i)
-            msgs = prompt_messages(ds.value(i, columns.prompt, "prompt"), where)
+        for row in rows:
+            where = Where(row)
+            msgs = prompt_messages(row.value(columns.prompt, "prompt"), where)
             prompt_text = render_prompt(template, msgs, where)
             prompts.append(prompt_text)
             for col, name, out in (
                 (columns.chosen, "chosen", chosen),
                 (columns.rejected, "rejected", rejected),
             ):
-                reply = as_messages(ds.value(i, col, name), "assistant", where, name)
-                out.append(self._completion(template, tokenizer, msgs, reply, prompt_text, where))
+                reply = as_messages(row.value(col, name), "assistant", where, name)
+                out.append(self._completion(template, msgs, reply, prompt_text, where))
         enc = tokenizer.encode_batch
-        self.prompt_ids = [e.ids for e in enc(prompts)]
-        self.chosen_ids = [e.ids for e in enc(chosen)]
-        self.rejected_ids = [e.ids for e in enc(rejected)]
+        prompt_ids = [e.ids for e in enc(prompts)]
+        chosen_ids = [e.ids for e in enc(chosen)]
+        rejected_ids = [e.ids for e in enc(rejected)]
         if template is None and tokenizer.eos_id is not None:
-            for seqs in (self.chosen_ids, self.rejected_ids):
+            for seqs in (chosen_ids, rejected_ids):
                 for s in seqs:
                     s.append(tokenizer.eos_id)
-        self._example_ids = list(range(len(ds)))
+        P, C, pad = self.max_prompt_length, self.max_completion_length, self.pad_id
+        p_ids, p_mask = _left_pad(prompt_ids, P, pad)
+        c_ids, c_mask = _right_pad(chosen_ids, C, pad)
+        r_ids, r_mask = _right_pad(rejected_ids, C, pad)
+        return {
+            "prompt_ids": p_ids,
+            "prompt_mask": p_mask,
+            "chosen_ids": c_ids,
+            "chosen_mask": c_mask,
+            "rejected_ids": r_ids,
+            "rejected_mask": r_mask,
+        }
 
     @staticmethod
     def _completion(
         template: ChatTemplate | None,
-        tokenizer: Tokenizer,
         prompt: list[dict[str, Any]],
         reply: list[dict[str, Any]],
         prompt_text: str,
-        where: str,
+        where: Any,
     ) -> str:
         if template is None:
             return "".join(str(m["content"]) for m in reply)
@@ -223,28 +239,8 @@ class PreferenceRows:
             )
         return full[len(prompt_text) :]
 
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
 
-    def example_ids(self, row: int) -> tuple[int, ...]:
-        return (self._example_ids[row],)
-
-    def batch(self, rows: np.ndarray) -> Batch:
-        P, C, pad = self.max_prompt_length, self.max_completion_length, self.pad_id
-        p_ids, p_mask = _left_pad([self.prompt_ids[r] for r in rows], P, pad)
-        c_ids, c_mask = _right_pad([self.chosen_ids[r] for r in rows], C, pad)
-        r_ids, r_mask = _right_pad([self.rejected_ids[r] for r in rows], C, pad)
-        return {
-            "prompt_ids": p_ids,
-            "prompt_mask": p_mask,
-            "chosen_ids": c_ids,
-            "chosen_mask": c_mask,
-            "rejected_ids": r_ids,
-            "rejected_mask": r_mask,
-        }
-
-
-class PromptRows:
+class PromptBatcher:
     """GRPO rows: the prompt rendered with the generation prompt, and its answer.
 
     A batch has 'prompts' and 'answer' as object arrays of str [b] (tunix's GRPO learner
@@ -253,7 +249,7 @@ class PromptRows:
 
     def __init__(
         self,
-        ds: RawDataset,
+        records: Any,
         tokenizer: Tokenizer,
         *,
         columns: Any = None,
@@ -261,77 +257,60 @@ class PromptRows:
     ) -> None:
         from posttrain.api.spec import DataColumns
 
-        columns = columns or DataColumns()
-        ds.require(columns.prompt, "prompt")
-        ds.require(columns.answer, "answer")
-        template = tokenizer.template(chat_template)
-        self.prompts: list[str] = []
-        self.answers: list[str] = []
-        for i in range(len(ds)):
-            where = ds.where(i)
-            msgs = prompt_messages(ds.value(i, columns.prompt, "prompt"), where)
-            self.prompts.append(render_prompt(template, msgs, where))
-            self.answers.append(str(ds.value(i, columns.answer, "answer")))
+        self.columns = columns = columns or DataColumns()
+        records.require(columns.prompt, "prompt")
+        records.require(columns.answer, "answer")
+        self.template = tokenizer.template(chat_template)
 
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def example_ids(self, row: int) -> tuple[int, ...]:
-        return (int(row),)
-
-    def batch(self, rows: np.ndarray) -> Batch:
+    def batch(self, rows: Sequence[Row]) -> Batch:
         prompts = np.empty(len(rows), dtype=object)
         answers = np.empty(len(rows), dtype=object)
-        for j, r in enumerate(rows):
-            prompts[j] = self.prompts[r]
-            answers[j] = self.answers[r]
+        for j, row in enumerate(rows):
+            where = Where(row)
+            msgs = prompt_messages(row.value(self.columns.prompt, "prompt"), where)
+            prompts[j] = render_prompt(self.template, msgs, where)
+            answers[j] = str(row.value(self.columns.answer, "answer"))
         return {"prompts": prompts, "answer": answers}
 
 
-def build_rows(spec: Any, tokenizer: Tokenizer, ds: RawDataset | None = None) -> RowSource:
-    """The row source for a PostTrainJobSpec's technique and data settings."""
+def build_rows(spec: Any, tokenizer: Tokenizer, records: Any = None) -> Rows:
+    """The rows for a PostTrainJobSpec's technique and data settings (over spec.data's
+    records unless given)."""
     data = spec.data
-    ds = ds if ds is not None else read_dataset(data.source, format=data.format, split=data.split)
+    if records is None:
+        records = open_records(data.source, format=data.format, split=data.split)
     technique = str(spec.technique)
     if technique == "dpo":
         max_prompt = getattr(spec.dpo, "max_prompt_length", 512) if spec.dpo else 512
         max_prompt = min(max_prompt, data.max_length // 2)
-        return PreferenceRows(
-            ds,
-            tokenizer,
-            columns=data.columns,
-            max_prompt_length=max_prompt,
-            max_completion_length=data.max_length - max_prompt,
-            chat_template=data.chat_template,
+        return Rows(
+            records,
+            PreferenceBatcher(
+                records,
+                tokenizer,
+                columns=data.columns,
+                max_prompt_length=max_prompt,
+                max_completion_length=data.max_length - max_prompt,
+                chat_template=data.chat_template,
+            ),
         )
     if technique == "grpo":
-        return PromptRows(ds, tokenizer, columns=data.columns, chat_template=data.chat_template)
+        return Rows(
+            records,
+            PromptBatcher(
+                records, tokenizer, columns=data.columns, chat_template=data.chat_template
+            ),
+        )
     if getattr(data.columns, "images", None):  # multimodal SFT (Gemma 3 vision)
         from posttrain.trainer.data import image_rows
 
-        return image_rows.rows_from_spec(spec, tokenizer, ds)
-    examples = tokenize_sft(
-        ds,
+        return Rows(records, image_rows.batcher_from_spec(spec, tokenizer, records))
+    tokenize = SftTokenizer(
+        records,
         tokenizer,
         columns=data.columns,
         max_length=data.max_length,
         completion_only_loss=data.completion_only_loss,
         chat_template=data.chat_template,
     )
-    return SftRows(
-        examples, max_length=data.max_length, pad_id=tokenizer.pad_id, packing=data.packing
-    )
-
-
-def data_summary(rows: RowSource) -> dict[str, Any]:
-    """Numbers worth logging once: rows, examples, tokens, fill ratio."""
-    out: dict[str, Any] = {"rows": len(rows)}
-    if isinstance(rows, SftRows):
-        out.update(
-            examples=len(rows.examples),
-            tokens=rows.examples.num_tokens,
-            loss_tokens=int(rows.examples.loss_mask.sum()),
-            truncated=rows.examples.truncated,
-            fill_ratio=round(rows.fill_ratio(), 4),
-        )
-    return out
+    return Rows(records, SftBatcher(tokenize, max_length=data.max_length, pad_id=tokenizer.pad_id))
