@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     which.add_argument("--best", action="store_true", help="the checkpoint.keepBest checkpoint")
     p.add_argument("--format", choices=["adapter", "merged"], help="default: spec.output.exportHF")
+    p.add_argument(
+        "--base",
+        help="the adapter's base model for from_pretrained elsewhere: a path or Hub id "
+        "(default: spec.model.source; a local path as the job gives it)",
+    )
     p.add_argument("--output", help="override spec.output.uri (where the run's checkpoints are)")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "export_command"))
 

@@ -115,7 +115,7 @@ def export_command(args: argparse.Namespace) -> int:
     from posttrain.trainer.export import export_checkpoint
 
     try:
-        step, uri = export_checkpoint(job, args.step, args.format, best=args.best)
+        step, uri = export_checkpoint(job, args.step, args.format, best=args.best, base=args.base)
     except storage.Unreachable as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE
