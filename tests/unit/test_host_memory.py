@@ -107,3 +107,17 @@ def test_posttrain_estimate_answers_for_cpu_jobs(tmp_path):
     path.write_text(yaml.safe_dump(job(source="/models/tiny")))
     unknown = posttrain("estimate", str(path))
     assert unknown.returncode == 0 and "no host memory estimate" in unknown.stdout
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "examples").glob("*-cpu.yaml")), ids=lambda p: p.name
+)
+def test_every_cpu_example_is_estimated_within_the_laptop_budget(path, monkeypatch):
+    """The CPU examples are sized for a 4 GiB laptop budget (their measured peaks are in
+    docs/user-guide.md)."""
+    from posttrain.api.validate import load_job
+
+    monkeypatch.chdir(ROOT)  # the examples' paths are relative to the repository root
+    spec = load_job(str(path)).spec
+    est = host_memory.estimate(spec, catalog.resolve("cpu", None))
+    assert est is not None and est.total_gib <= 4.0, est and est.table()

@@ -31,6 +31,9 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
+    from posttrain.trainer import cpu_flags
+
+    cpu_flags.apply()  # before JAX starts its CPU backend
     from posttrain.trainer import device_check, distributed, pathways, storage
 
     try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
