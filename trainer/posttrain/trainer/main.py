@@ -31,9 +31,10 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
-    from posttrain.trainer import cpu_flags
+    from posttrain.trainer import cpu_flags, host_malloc
 
     cpu_flags.apply()  # before JAX starts its CPU backend
+    host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
 
     try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
