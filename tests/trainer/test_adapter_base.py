@@ -24,7 +24,7 @@ from tiny_model import make_tiny_llama
 
 from posttrain import cli
 from posttrain.trainer import generate, models
-from posttrain.trainer.adapter_base import BaseModel, base_model
+from posttrain.trainer.adapter_base import BaseModel, base_model, model_card
 
 pytestmark = pytest.mark.trainer
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,15 @@ def test_base_model_is_what_identifies_it_anywhere(source, base, named):
 def test_an_empty_base_is_refused():
     with pytest.raises(ValueError, match="^--base: an empty base model name$"):
         base_model("/abs/model", " ")
+
+
+def test_the_card_says_how_each_kind_of_base_loads():
+    hub = model_card(base_model("hf://org/name@v2"), "hf://org/name@v2")
+    assert "base_model: org/name" in hub and "at revision `v2`" in hub
+    assert 'AutoPeftModelForCausalLM.from_pretrained("ADAPTER_DIR")' in hub
+    gcs = model_card(base_model("gs://b/m"), "gs://b/m")
+    assert "base_model:" not in gcs and "cannot load this base" in gcs
+    assert "PeftModel.from_pretrained(base" in gcs and "--base" in gcs
 
 
 @pytest.fixture(scope="module")

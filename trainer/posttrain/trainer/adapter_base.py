@@ -86,20 +86,26 @@ def model_card(base: BaseModel, source: str) -> str:
             "```",
         ]
     else:
-        why = (
-            "transformers does not read `gs://`: copy the model to a directory first"
-            if base.kind == "gcs"
-            else "it is a path on the machine that trained the adapter"
-            + (
-                ", relative to the directory the job ran in"
-                if not Path(base.name).is_absolute()
-                else ""
+        if base.kind == "gcs":
+            note = (
+                "Note: transformers does not read `gs://`, so "
+                "`AutoPeftModelForCausalLM.from_pretrained(ADAPTER_DIR)` cannot load this base. "
+                "Copy the model to a directory and load the base from it:"
             )
-        )
+        else:
+            relative = (
+                ""
+                if Path(base.name).is_absolute()
+                else (", relative to the directory the job ran in")
+            )
+            note = (
+                f"Note: it is a path on the machine that trained the adapter{relative}. "
+                "`AutoPeftModelForCausalLM.from_pretrained(ADAPTER_DIR)` finds it only where "
+                "that path holds the model. Elsewhere, load the base from your copy:"
+            )
         lines += [
             "",
-            f"Note: {why}. `AutoPeftModelForCausalLM.from_pretrained(ADAPTER_DIR)` finds it "
-            "only where that path holds the model. Elsewhere, load the base from your copy:",
+            note,
             "",
             "```python",
             "from peft import PeftModel",
