@@ -32,8 +32,9 @@ def test_apply_adds_the_memory_scheduler_unless_one_is_set(before, after):
 
 
 def test_the_trainer_entry_points_apply_it(monkeypatch):
-    """`posttrain run` and `posttrain train` (main._run) set XLA_FLAGS and glibc's
-    thresholds before JAX's backend starts: before pathways.initialize, stopped here."""
+    """`posttrain run` and `posttrain train` (main._run) set XLA_FLAGS, and for a CPU job
+    glibc's thresholds, before JAX's backend starts: before pathways.initialize, stopped
+    here."""
     from posttrain.trainer import main
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
@@ -49,9 +50,20 @@ def test_the_trainer_entry_points_apply_it(monkeypatch):
     monkeypatch.setattr(
         "posttrain.trainer.host_malloc.return_freed_memory", lambda: seen.setdefault("malloc", 1)
     )
+    from types import SimpleNamespace
+
+    def job(accelerator):
+        return SimpleNamespace(
+            spec=SimpleNamespace(resources=SimpleNamespace(accelerator=accelerator))
+        )
+
     with pytest.raises(SystemExit):
-        main._run(None, show_bar=False)
+        main._run(job("cpu"), show_bar=False)
     assert seen == {"flags": cpu_flags.MEMORY_SCHEDULER, "malloc": 1}
+    seen.clear()
+    with pytest.raises(SystemExit):  # an accelerator job's arrays are on its devices
+        main._run(job("v6e-8"), show_bar=False)
+    assert seen == {"flags": cpu_flags.MEMORY_SCHEDULER}
 
 
 _RETAINED = """

@@ -34,7 +34,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     from posttrain.trainer import cpu_flags, host_malloc
 
     cpu_flags.apply()  # before JAX starts its CPU backend
-    host_malloc.return_freed_memory()
+    if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
+        host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
 
     try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
