@@ -1,7 +1,7 @@
 """The `posttrain` command line.
 
 posttrain validate FILE...   check PostTrainJob files; every error names its field
-posttrain estimate FILE      the accelerator memory a job needs per device, term by term
+posttrain estimate FILE      the memory a job needs per device (host memory on CPU), term by term
 posttrain render FILE        print the objects the operator would create, as YAML
 posttrain crd                print the CustomResourceDefinition
 posttrain run FILE           train locally from the same file (trainer extra)
@@ -118,12 +118,11 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
+    if placement.kind == "cpu":
+        return _estimate_host(args.file, job)
     est = capacity.estimate(job.spec, placement)
     if est is None:
-        why = capacity.warning(job.spec, placement) or (
-            "no estimate for CPU jobs: host memory is not in the accelerator catalog"
-        )
-        print(f"{printable(args.file)}: {why}")
+        print(f"{printable(args.file)}: {capacity.warning(job.spec, placement)}")
         return 0
     for line in est.table().splitlines():
         print(printable(line))
@@ -140,6 +139,30 @@ def _estimate(args: argparse.Namespace) -> int:
     for line in capacity.suggestions(job.spec, placement, est):
         print(f"  {line}")
     return 0 if est.fits else 1
+
+
+def _estimate_host(path: str, job: PostTrainJob) -> int:
+    """`posttrain estimate` of a CPU job: its host memory, term by term."""
+    from posttrain import catalog, host_memory
+
+    est = host_memory.estimate(job.spec, catalog.resolve("cpu", None))
+    if est is None:
+        print(
+            f"{printable(path)}: spec.model.source: no host memory estimate: posttrain knows "
+            f"no architecture for {job.spec.model.source!r} (no readable config.json)"
+        )
+        return 0
+    for line in est.table().splitlines():
+        print(printable(line))
+    if est.fits:
+        print("fits")
+        return 0
+    print(
+        f"spec.resources.accelerator: the job needs about {est.total_gib:.1f} GiB of host "
+        f"memory, more than {est.available_from}'s {est.available_gib:.1f} GiB; try LoRA, "
+        "a smaller spec.training.batchSize or spec.data.maxLength, or spec.training.remat: layer"
+    )
+    return 1
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -261,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_validate)
 
-    p = sub.add_parser("estimate", help="the accelerator memory a job needs, per device")
+    p = sub.add_parser("estimate", help="the memory a job needs per device (on CPU: host memory)")
     p.add_argument("file")
     p.set_defaults(func=_estimate)
 
@@ -286,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     which.add_argument("--best", action="store_true", help="the checkpoint.keepBest checkpoint")
     p.add_argument("--format", choices=["adapter", "merged"], help="default: spec.output.exportHF")
+    p.add_argument(
+        "--base",
+        help="the adapter's base model for from_pretrained elsewhere: a path or Hub id "
+        "(default: spec.model.source; a local path as the job gives it)",
+    )
     p.add_argument("--output", help="override spec.output.uri (where the run's checkpoints are)")
     p.set_defaults(func=_lazy("posttrain.trainer.main", "export_command"))
 

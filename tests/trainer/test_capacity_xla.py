@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.trainer.cpu_flags import MEMORY_SCHEDULER
+
 DEVICES = 8
 # technique, lora, devices, layers, vocab, length, batch (SFT rows, DPO pairs, GRPO prompts)
 # [, spec.training.remat (default none)]
@@ -42,7 +44,7 @@ GENERATIONS = 4
 # layer's recomputation as early as it can (the step then needs what it would without
 # remat), where an accelerator's memory-aware scheduler waits for the backward pass:
 # rematerialised steps are compiled in a second child with the memory-minimising one.
-REMAT_XLA_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+REMAT_XLA_FLAGS = MEMORY_SCHEDULER  # what `posttrain run` and `posttrain train` set
 
 
 def _config(layers: int, vocab: int) -> dict:

@@ -240,3 +240,42 @@ def test_generate_loads_peft_s_adapter_onto_the_vision_checkpoint(peft_golden, t
     logits = np.asarray(models.forward(model, peft_golden["input_ids_text"]))
     np.testing.assert_allclose(logits, peft_golden["logits_text"], atol=TOL, rtol=0)
     assert tokenizer.origin == str(FIXTURE)
+
+
+def test_adapter_export_carries_what_transformers_needs_for_images(vision_lora, tmp_path):
+    """The adapter export of a job with images holds the checkpoint's processor, tokenizer
+    and chat template files, as the merged export does: transformers' AutoProcessor loads
+    from the adapter directory alone and makes the same model inputs of a conversation
+    with an image as from the checkpoint."""
+    from PIL import Image
+    from tiny_job import tiny_job, validated
+    from transformers import AutoProcessor
+
+    from posttrain.trainer.export import export_model
+
+    model, info = vision_lora
+    doc = tiny_job(FIXTURE, tmp_path / "train.jsonl", tmp_path / "out", steps=1, every=1)
+    doc["spec"]["data"]["columns"] = {"images": "images"}
+    adapter = Path(export_model(validated(doc), model, info, tmp_path, kind="adapter"))
+    assert_like_peft_reference(adapter)
+    files = {p.name for p in adapter.iterdir()}
+    processor_files = {"processor_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert processor_files | {"chat_template.jinja"} <= files
+    assert "config.json" not in files  # an adapter directory, not a model's
+    conversation = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What shape is it?"}],
+        }
+    ]
+    shapes = Path(__file__).resolve().parents[2] / "examples" / "data" / "shapes" / "images"
+    image = Image.open(sorted(shapes.iterdir())[0])
+    inputs = []
+    for directory in (adapter, FIXTURE):
+        processor = AutoProcessor.from_pretrained(str(directory))
+        text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+        inputs.append(processor(text=[text], images=[[image]], return_tensors="np"))
+    ours, theirs = inputs
+    assert ours.keys() == theirs.keys() and "pixel_values" in ours
+    for key in theirs:
+        np.testing.assert_array_equal(ours[key], theirs[key])

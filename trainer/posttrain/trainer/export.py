@@ -14,9 +14,9 @@ import jax
 from flax import nnx
 
 from posttrain.api.spec import LOWER_IS_BETTER, PostTrainJob
-from posttrain.trainer import models, optim, peft_format, storage
+from posttrain.trainer import adapter_base, models, optim, peft_format, storage
 from posttrain.trainer.checkpoint import BestCheckpoint, Checkpoints
-from posttrain.trainer.models.saving import save_hf
+from posttrain.trainer.models.saving import copy_source_files, save_hf
 from posttrain.trainer.policy import load_policy, restore_into, shard_like_params, trainable_state
 
 log = logging.getLogger("posttrain.trainer")
@@ -36,17 +36,6 @@ class OutputDir:
             storage.upload_dir(self.local, self.uri)
 
 
-def peft_base_model_name(source: str) -> str:
-    """The model source as a user passes it to `from_pretrained`: a Hub repo id for
-    hf://org/name[@rev], a gs:// URI as written, and a local path made absolute so the
-    adapter loads from any directory."""
-    if source.startswith("hf://"):
-        return source[len("hf://") :].split("@", 1)[0]
-    if storage.is_gcs(source):
-        return source
-    return str(Path(source).expanduser().resolve())
-
-
 def best_checkpoint(spec: Any) -> BestCheckpoint | None:
     """checkpoint.keepBest's checkpoint directory (None without keepBest)."""
     metric = spec.checkpoint.keep_best
@@ -57,17 +46,31 @@ def best_checkpoint(spec: Any) -> BestCheckpoint | None:
 
 
 def export_checkpoint(
-    job: PostTrainJob, step: int | None = None, kind: str | None = None, *, best: bool = False
+    job: PostTrainJob,
+    step: int | None = None,
+    kind: str | None = None,
+    *,
+    best: bool = False,
+    base: str | None = None,
 ) -> tuple[int, str | None]:
     """Export checkpoint `step` (default: the newest readable one; with `best`, the
     checkpoint.keepBest one) of a job's run without training (`posttrain export`): as
     `kind` (adapter | merged; default spec.output.exportHF) to output.uri/hf, or
     output.uri/hf-step-<step> for an explicit step or the best; a merged export of a LoRA
     job gets its own directory (hf-merged, hf-step-<step>-merged), since a loader that
-    finds the adapter's adapter_config.json in hf/ loads the adapter. Returns (step, URI)."""
+    finds the adapter's adapter_config.json in hf/ loads the adapter; an adapter names
+    `base` (``--base``) as its base model when given. Returns (step, URI)."""
     spec = job.spec
     if kind == "adapter" and not spec.lora:
         raise ValueError("--format adapter: the job has no spec.lora (a full fine-tune)")
+    if base is not None:
+        chosen = kind or str(spec.output.export_hf)
+        if chosen == "merged" or (chosen == "auto" and not spec.lora) or chosen == "none":
+            raise ValueError(
+                f"{adapter_base.BASE_FLAG}: only an adapter export names a base model "
+                f"(this export is {'merged' if chosen != 'none' else 'none'})"
+            )
+        adapter_base.base_model(spec.model.source, base)  # refuses a bad name before loading
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
     mesh = models.make_mesh()
     log.info("loading the model from %s", spec.model.source)
@@ -102,7 +105,7 @@ def export_checkpoint(
     if spec.lora and resolved == "merged":  # never beside the adapter, which loaders prefer
         name += "-merged"
     return restored.step, export_model(
-        job, policy.model, policy.info, scratch, kind=kind, name=name
+        job, policy.model, policy.info, scratch, kind=kind, name=name, base=base
     )
 
 
@@ -114,10 +117,13 @@ def export_model(
     *,
     kind: str | None = None,
     name: str = "hf",
+    base: str | None = None,
 ) -> str | None:
     """Write the trained model as `kind` (adapter | merged | none | auto; default
-    spec.output.exportHF) to output.uri/<name>, with the source's tokenizer files.
-    Returns its URI (None for none)."""
+    spec.output.exportHF) to output.uri/<name>, with the source's tokenizer, generation and
+    image processor files. An adapter names its base model as `adapter_base` says (`base`
+    overrides spec.model.source) and explains it in its README.md. Returns its URI (None
+    for none)."""
     spec = job.spec
     kind = kind or str(spec.output.export_hf)
     if kind == "auto":
@@ -127,20 +133,15 @@ def export_model(
     out = OutputDir(spec.output.uri, name, scratch)
     log.info("writing the %s to %s", "adapter" if kind == "adapter" else "merged model", out.uri)
     if kind == "adapter":
+        named = adapter_base.base_model(spec.model.source, base)
         peft_format.save_peft_adapter(
-            model, out.local, info, base_model_name=peft_base_model_name(spec.model.source)
+            model, out.local, info, base_model_name=named.name, revision=named.revision
         )
+        if jax.process_index() == 0:
+            copy_source_files(info.model_dir, out.local)
+            card = adapter_base.model_card(named, spec.model.source)
+            (out.local / "README.md").write_text(card)
     else:
         save_hf(model, out.local, info)
-    if jax.process_index() == 0:
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ):
-            source = Path(info.model_dir) / name
-            if source.exists() and not (out.local / name).exists():
-                (out.local / name).write_bytes(source.read_bytes())
     out.sync()
     return out.uri

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE
-from posttrain.trainer import data, lora, models, peft_format, sources, storage
+from posttrain.trainer import adapter_base, data, lora, models, peft_format, sources, storage
 
 
 def resolve(target: str) -> str:
@@ -35,12 +35,22 @@ def resolve(target: str) -> str:
     return target
 
 
-def _base_source(name: str) -> str:
-    """base_model_name_or_path as a posttrain source: a path or gs:// as written, else a
-    Hub repository id."""
+def _base_source(config: dict, config_path: Path) -> str:
+    """base_model_name_or_path (and revision) as a posttrain source: a gs:// URI or an
+    existing path as written, an ``org/name`` Hub id as hf://org/name[@revision]; a path
+    that is not there is an error that says how to name the base."""
+    name = config.get("base_model_name_or_path")
+    if not name:
+        raise ValueError(f"MODEL_OR_JOB: {config_path} names no base_model_name_or_path")
     if storage.is_gcs(name) or Path(name).exists() or name.startswith("hf://"):
         return name
-    return f"hf://{name}"
+    if adapter_base.is_hub_id(name):
+        revision = config.get("revision")
+        return f"hf://{name}" + (f"@{revision}" if revision else "")
+    raise FileNotFoundError(
+        f"MODEL_OR_JOB: {config_path}: base model {name} is not a directory here; "
+        f"export the adapter naming your copy of it ({adapter_base.BASE_FLAG} PATH)"
+    )
 
 
 def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
@@ -51,10 +61,8 @@ def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
         model, _ = models.load_model(location)
         return model, data.load_tokenizer(location)
     config = json.loads(config_path.read_text())
-    base = config.get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"MODEL_OR_JOB: {config_path} names no base_model_name_or_path")
-    base_dir = sources.local_model_dir(_base_source(base), scratch, field=f"{config_path}: base")
+    base = _base_source(config, config_path)
+    base_dir = sources.local_model_dir(base, scratch, field=f"{config_path}: base")
     model, info = models.load_model(base_dir)
     targets = peft_format.adapter_target_regex(location, info)
     model = lora.apply_lora(model, int(config["r"]), float(config["lora_alpha"]), targets)

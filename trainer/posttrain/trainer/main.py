@@ -42,6 +42,11 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
+    from posttrain.trainer import cpu_flags, host_malloc
+
+    cpu_flags.apply()  # before JAX starts its CPU backend
+    if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
+        host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
 
     try:  # JAX_PLATFORMS=proxy: before JAX touches a backend
@@ -270,7 +275,7 @@ def export_command(args: argparse.Namespace) -> int:
     from posttrain.trainer.export import export_checkpoint
 
     try:
-        step, uri = export_checkpoint(job, args.step, args.format, best=args.best)
+        step, uri = export_checkpoint(job, args.step, args.format, best=args.best, base=args.base)
     except storage.Unreachable as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE

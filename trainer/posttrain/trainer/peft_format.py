@@ -184,10 +184,13 @@ def save_peft_adapter(
     out_dir: str | os.PathLike,
     info: models.ModelInfo | None = None,
     base_model_name: str = "",
+    revision: str | None = None,
 ) -> Path:
     """Writes the model's LoRA as a PEFT adapter (``adapter_model.safetensors`` +
     ``adapter_config.json``) that ``peft.PeftModel.from_pretrained`` loads onto the HF
-    base model. Only process 0 writes; every process must call it."""
+    base model; ``base_model_name`` and ``revision`` are where
+    ``AutoPeftModelForCausalLM`` finds that base (see ``adapter_base``). Only process 0
+    writes; every process must call it."""
     info = _peft_naming(info or info_from_model(model))
     settings = lora.settings_of(model)
     tensors = peft_tensors(model, info)
@@ -222,7 +225,7 @@ def save_peft_adapter(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "revision": None,
+        "revision": revision,
     }
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

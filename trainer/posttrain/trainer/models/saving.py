@@ -26,8 +26,9 @@ from posttrain.trainer.models.families import HF_ARCH_OUT
 from posttrain.trainer.models.params import param_maps
 from posttrain.trainer.models.safetensors_io import host_array, write_safetensors
 
-# Files copied next to the weights by save_hf.
-_TOKENIZER_FILES = (
+# Files of the source checkpoint copied next to an export (the weights by save_hf, a
+# PEFT adapter by export.export_model): tokenizer, generation and image processor settings.
+SOURCE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -160,8 +161,15 @@ def save_hf(
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = saved
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    src = Path(info.model_dir)
-    for fname in _TOKENIZER_FILES:
-        if (src / fname).is_file() and src.resolve() != out.resolve():
-            shutil.copyfile(src / fname, out / fname)
+    copy_source_files(info.model_dir, out)
     return out
+
+
+def copy_source_files(model_dir: str | os.PathLike, out: Path) -> None:
+    """Copies the SOURCE_FILES that `model_dir` holds into `out` (not onto themselves)."""
+    src = Path(model_dir)
+    if not model_dir or src.resolve() == out.resolve():
+        return
+    for fname in SOURCE_FILES:
+        if (src / fname).is_file():
+            shutil.copyfile(src / fname, out / fname)
