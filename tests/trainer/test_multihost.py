@@ -4,7 +4,10 @@ match the loss curve of 1 process x 4 devices. The 2 processes read the model fr
 write their checkpoints to gs:// (a real GCS-compatible server), and resume from there
 bitwise identically. As 2 slices of one host each (the MEGASCALE_* variables of a
 multi-slice JobSet; see posttrain.trainer.mesh), the 2 processes train data parallel
-over the slices, each holding a whole model, and match the 1-process run too."""
+over the slices, each holding a whole model, and match the 1-process run too. Every run
+holds out rows and evaluates them with sample generations, so in both layouts the 2 hosts
+also decode together and must write the 1-process run's evaluation; that 1-process run is
+made once for the module."""
 
 from __future__ import annotations
 
@@ -109,21 +112,57 @@ def _finish(procs: list[subprocess.Popen]) -> list[str]:
     return logs
 
 
-def test_two_processes_match_one(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "model")
+# Held-out evaluation with sample generations: the 2 hosts decode together.
+EVALUATION = {"eval": {"fraction": 0.1, "maxBatches": 1, "samples": 2, "maxNewTokens": 4}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("multihost") / "model")
+
+
+class _Single:
+    """The 1 process x 4 devices run that both 2-process layouts must match; it trains
+    while the first test's hosts do, and that test waits for it."""
+
+    def __init__(self, tmp: Path, model: Path):
+        self.out = tmp / "single"
+        self._proc = _run(_job(tmp, model, self.out, **EVALUATION), _env(4))
+        self._log: str | None = None
+
+    def log(self) -> str:
+        if self._log is None:
+            self._log = _finish([self._proc])[0]
+        return self._log
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def single(model, tmp_path_factory):
+    run = _Single(tmp_path_factory.mktemp("single"), model)
+    yield run
+    run.stop()
+
+
+def test_two_processes_match_one(tmp_path: Path, model: Path, single: _Single):
     with gcs_bucket("ptmulti") as bucket:
-        single = _job(tmp_path, model, tmp_path / "single")
         # The 2 hosts read the model from gs:// too, each only the blocks it holds.
         storage.upload_dir(model, f"{bucket}/model")
         multi_uri = f"{bucket}/multi"
-        multi = _job(tmp_path, f"{bucket}/model", multi_uri)
-        logs = _finish([_run(single, _env(4)), *_two_hosts(multi)])
-        assert "process 1 of 2" in logs[2]
-        for log in logs[1:]:  # each host fetched its rows of the weights, none twice
+        multi = _job(tmp_path, f"{bucket}/model", multi_uri, **EVALUATION)
+        logs = _finish(_two_hosts(multi))
+        assert "mesh dp=1 x fsdp=4 x tp=1" in single.log()
+        for i, log in enumerate(logs):  # each host fetched its rows of the weights, none twice
+            assert f"process {i} of 2" in log and "mesh dp=1 x fsdp=4 x tp=1" in log, log
             fetched, total = map(int, re.search(r"fetched (\d+) of the (\d+) bytes", log).groups())
             assert fetched < total, log
         multi_out = storage.download_dir(multi_uri, tmp_path / "multi")
-        _assert_same_losses(tmp_path / "single", multi_out)
+        _assert_same_losses(single.out, multi_out)
+        _assert_same_evaluations(single.out, multi_out)
         # Both hosts restart after step 3 and restore their shards from gs://.
         _assert_resumes_from_step_3(multi_uri, lambda: _two_hosts(multi))
 
@@ -157,24 +196,19 @@ def _assert_resumes_from_step_3(out: str, start) -> None:
     assert storage.read_bytes(f"{out}/hf/adapter_model.safetensors") == exported
 
 
-def test_two_slices_match_one(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "model")
-    # Held-out evaluation with sample generations: the 2 hosts decode together.
-    evaluation = {"eval": {"fraction": 0.1, "maxBatches": 1, "samples": 2, "maxNewTokens": 4}}
-    single = _job(tmp_path, model, tmp_path / "single", **evaluation)
-    sliced = _job(tmp_path, model, tmp_path / "sliced", **evaluation)
-    logs = _finish([_run(single, _env(4)), *_two_hosts(sliced, slices=2)])
-    assert "mesh dp=1 x fsdp=4 x tp=1" in logs[0]
-    for i, log in enumerate(logs[1:]):  # data parallel over the 2 slices, FSDP inside each
+def test_two_slices_match_one(tmp_path: Path, model: Path, single: _Single):
+    sliced = _job(tmp_path, model, tmp_path / "sliced", **EVALUATION)
+    logs = _finish(_two_hosts(sliced, slices=2))
+    assert "mesh dp=1 x fsdp=4 x tp=1" in single.log()
+    for i, log in enumerate(logs):  # data parallel over the 2 slices, FSDP inside each
         assert f"process {i} of 2" in log and "mesh dp=2 x fsdp=2 x tp=1" in log, log
-    _assert_same_losses(tmp_path / "single", tmp_path / "sliced")
-    _assert_same_evaluations(tmp_path / "single", tmp_path / "sliced")
+    _assert_same_losses(single.out, tmp_path / "sliced")
+    _assert_same_evaluations(single.out, tmp_path / "sliced")
     # Each slice restores a whole replica of the checkpoint.
     _assert_resumes_from_step_3(str(tmp_path / "sliced"), lambda: _two_hosts(sliced, slices=2))
 
 
-def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path):
-    model = make_tiny_llama(tmp_path / "model")
+def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path, model: Path):
     job = _job(tmp_path, model, tmp_path / "odd", batch_size=6)  # 6 rows, 4 devices
     procs = _two_hosts(job)
     for proc in procs:

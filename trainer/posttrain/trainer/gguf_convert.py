@@ -86,6 +86,23 @@ def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _reader(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` of ``path`` that slices a plain ndarray view of the file's
+    memory map. The reader takes a few slices per token and merge (some 250,000 for
+    SmolLM2's vocabulary), and each slice of an ``np.memmap`` runs memmap's Python-level
+    ``__array_finalize__``; views of a plain ndarray do not, so the header parses in about
+    a quarter of the time. The same mapping, the same bytes."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, *args, **kwargs):
+            if type(self.data) is not np.ndarray:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(*args, **kwargs)
+
+    return Reader(str(path))
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -163,11 +180,9 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     ``tokenizer.json``, ``tokenizer_config.json`` (with the chat template) and
     ``generation_config.json``. Returns ``out_dir``.
     """
-    import gguf
-
     from posttrain.trainer.models import write_safetensors
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _reader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only llama)")
