@@ -1,7 +1,8 @@
 """Gradient accumulation as a scan (optim.accumulate): every technique's train step with
 spec.training.gradientAccumulation 2 gives what the same step gave with the micro-batch
 loop unrolled in Python (the sums taken in the same order), on a tiny random Llama on
-CPU: the loss, every metric and every updated parameter bitwise equal. test_capacity_xla.py shows what the scan is for: the
+CPU: the loss, every metric and every updated parameter bitwise equal; and to float
+tolerance what the step gave before micro-batches interleaved rows (optim.micro_batches). test_capacity_xla.py shows what the scan is for: the
 step's memory no longer grows with the accumulation."""
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ ROWS, LENGTH, VOCAB = 4, 16, 400
 
 
 def unrolled(grad_fn, batch, accumulation, *args):
-    """The micro-batch loop as the step had it before the scan: unrolled in Python."""
-    micro = {k: v.reshape(accumulation, -1, *v.shape[1:]) for k, v in batch.items()}
+    """The micro-batch loop as the step had it before the scan: unrolled in Python (over
+    the same micro-batches)."""
+    micro = optim.micro_batches(batch, accumulation)
     total, aux_sum, grads = jnp.zeros((), jnp.float32), None, None
     for i in range(accumulation):
         (loss, aux), g = grad_fn(*args, {k: v[i] for k, v in micro.items()})
@@ -31,6 +33,11 @@ def unrolled(grad_fn, batch, accumulation, *args):
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
     return total, aux_sum, grads
+
+
+def contiguous(batch, accumulation):
+    """Micro-batch i as rows i x n / accumulation onwards: the split the step had before."""
+    return {k: v.reshape(accumulation, -1, *v.shape[1:]) for k, v in batch.items()}
 
 
 def ids(seed, shape):
@@ -113,3 +120,18 @@ def test_scanned_accumulation_matches_the_unrolled_loop(model_dir, monkeypatch, 
     assert np.isfinite(scanned["loss"]) and scanned["grad_norm"] > 0
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loop_params), strict=True):
         np.testing.assert_array_equal(a, b)
+    # Against the step as it was (contiguous micro-batches): the same losses to float
+    # tolerance, every technique's loss being a global mean or a mean of equal parts.
+    monkeypatch.setattr(optim, "micro_batches", contiguous)
+    before, before_params = one_step(model_dir, make_step, args, batch)
+    for key in scanned:
+        np.testing.assert_allclose(scanned[key], before[key], rtol=2e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # Adam: 1% of a step
+
+
+def test_each_device_keeps_its_share_of_every_micro_batch():
+    """Rows interleave: with 8 rows over 4 devices (2 each) and 2 micro-batches, every
+    micro-batch takes one row of each device's pair."""
+    micro = optim.micro_batches({"x": jnp.arange(8)}, 2)["x"]
+    np.testing.assert_array_equal(micro, [[0, 2, 4, 6], [1, 3, 5, 7]])

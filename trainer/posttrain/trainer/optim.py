@@ -47,8 +47,8 @@ def accumulate(
     grad_fn: Callable[..., Any], batch: dict[str, jax.Array], accumulation: int, *args: Any
 ) -> tuple[jax.Array, Any, Any]:
     """Sums of `grad_fn(*args, micro_batch)` (which returns ((loss, aux), grads)) over
-    `accumulation` equal micro-batches of `batch`, split along its first axis: the loss,
-    the aux pytree and the gradients (inside a jitted step).
+    `accumulation` equal micro-batches of `batch` (rows interleaved, `micro_batches`): the
+    loss, the aux pytree and the gradients (inside a jitted step).
 
     The micro-batches run in a `jax.lax.scan` whose carry is the running sums, so XLA
     holds one micro-batch's activations and logit gradients at a time (a Python loop
@@ -59,10 +59,7 @@ def accumulate(
     if accumulation == 1:
         (loss, aux), grads = grad_fn(*args, batch)
         return loss, aux, grads
-    micro = {
-        k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:])
-        for k, v in batch.items()
-    }
+    micro = micro_batches(batch, accumulation)
     graphdef, state = nnx.split(args)
 
     def one(mb: dict[str, jax.Array]):
@@ -80,6 +77,18 @@ def accumulate(
 
     ((total, aux_sum), grads), _ = jax.lax.scan(body, zeros, micro)
     return total, aux_sum, grads
+
+
+def micro_batches(batch: dict[str, jax.Array], accumulation: int) -> dict[str, jax.Array]:
+    """`batch` as [accumulation, rows / accumulation, ...] arrays: micro-batch i takes rows
+    i, i + accumulation, i + 2 x accumulation, ... A global batch is split over the devices
+    in contiguous blocks of rows, so each device keeps its share of every micro-batch (a
+    contiguous split would give micro-batch i to a few devices only, and XLA would move the
+    rows or compute that micro-batch's activations on those devices)."""
+    return {
+        k: jnp.swapaxes(v.reshape(v.shape[0] // accumulation, accumulation, *v.shape[1:]), 0, 1)
+        for k, v in batch.items()
+    }
 
 
 def _add(a: Any, b: Any) -> Any:
