@@ -82,6 +82,8 @@ SFT = {"technique": "sft", "data": {"maxLength": 4096}}
 CASES = {
     "sft-4k-remat": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {"remat": "layer"}}),
     "sft-4k-no-remat": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {"remat": "none"}}),
+    "sft-4k-remat-no-clipping": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
+        "remat": "layer", "maxGradNorm": 0}}),
     "lora-8k-r64": ("Llama-3.2-1B", "v6e-8", {"technique": "sft", "data": {"maxLength": 8192},
                     "lora": {"rank": 64, "alpha": 128}}),
     "sft-4k-accumulation-4": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
