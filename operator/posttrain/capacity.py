@@ -74,6 +74,10 @@ SAVED_PER_SCORE = 7.0
 # less per rematerialised layer: 1.5 bytes per attention element (Qwen3 0.6B, 28 layers,
 # 4k: 19.7 GiB against 57.2 GiB clipped, bench/memory.py).
 SAVED_PER_SCORE_UNCLIPPED = 1.5
+# With gradientAccumulation above 1 the layers run inside the micro-batch scan, which XLA
+# schedules apart from the update: only the layers' inputs are kept, plus one layer's whole
+# working set while it is recomputed (Qwen3 0.6B, 28 layers, 4k, accumulation 4: 12.7 GiB,
+# bench/memory.py).
 REMAT_WORKING_SET = 0.1
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
@@ -252,9 +256,13 @@ def estimate(
         # them (XLA's figures for SFT, tests/trainer/test_capacity_xla.py), plus one
         # layer's whole working set while it is recomputed.
         kept = tokens * (w + 2) * d * (SAVED_PER_LAYER if remat == "layer" else SAVED_PER_BLOCK)
-        score = SAVED_PER_SCORE if t.max_grad_norm > 0 else SAVED_PER_SCORE_UNCLIPPED
+        score, working = SAVED_PER_SCORE, REMAT_WORKING_SET
+        if t.gradient_accumulation > 1:  # the layers run in the micro-batch scan's body
+            score, working = 0.0, 1.0
+        elif t.max_grad_norm <= 0:
+            score = SAVED_PER_SCORE_UNCLIPPED
         kept += rows * shape.heads * length * length * score
-        activations = shape.layers * kept + REMAT_WORKING_SET * per_layer
+        activations = shape.layers * kept + working * per_layer
     activations += tokens * (w + 2) * 10 * d
     # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32
     # gradient, the log-softmax of DPO's and GRPO's log-probs (and distillation's student
