@@ -70,9 +70,11 @@ WARN_ABOVE = 1 - BAND  # total / memory above which a job is admitted with a war
 SAVED_PER_LAYER = 2.0
 SAVED_PER_BLOCK = 4.0
 SAVED_PER_SCORE = 7.0
-# Without gradient clipping (spec.training.maxGradNorm: 0) XLA's CPU scheduler keeps far
-# less per rematerialised layer: 1.5 bytes per attention element (Qwen3 0.6B, 28 layers,
-# 4k: 19.7 GiB against 57.2 GiB clipped, bench/memory.py).
+# SAVED_PER_SCORE is SFT's with gradient clipping (the default). Without clipping
+# (spec.training.maxGradNorm: 0), and in the DPO, GRPO and distillation steps, XLA's CPU
+# scheduler keeps far less per rematerialised layer: 1.5 bytes per attention element
+# (Qwen3 0.6B, 28 layers: SFT at 4k 19.7 GiB against 57.2 GiB clipped, DPO at 2k 17.9 GiB;
+# bench/memory.py).
 SAVED_PER_SCORE_UNCLIPPED = 1.5
 # With gradientAccumulation above 1 the layers run inside the micro-batch scan, which XLA
 # schedules apart from the update: only the layers' inputs are kept, plus one layer's whole
@@ -256,11 +258,11 @@ def estimate(
         # them (XLA's figures for SFT, tests/trainer/test_capacity_xla.py), plus one
         # layer's whole working set while it is recomputed.
         kept = tokens * (w + 2) * d * (SAVED_PER_LAYER if remat == "layer" else SAVED_PER_BLOCK)
-        score, working = SAVED_PER_SCORE, REMAT_WORKING_SET
+        score, working = SAVED_PER_SCORE_UNCLIPPED, REMAT_WORKING_SET
         if t.gradient_accumulation > 1:  # the layers run in the micro-batch scan's body
             score, working = 0.0, 1.0
-        elif t.max_grad_norm <= 0:
-            score = SAVED_PER_SCORE_UNCLIPPED
+        elif spec.technique == "sft" and t.max_grad_norm > 0:
+            score = SAVED_PER_SCORE
         kept += rows * shape.heads * length * length * score
         activations = shape.layers * kept + working * per_layer
     activations += tokens * (w + 2) * 10 * d
