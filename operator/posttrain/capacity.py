@@ -11,7 +11,10 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   forward pass (the cast copy is counted too); LoRA keeps the frozen base in
   spec.model.dtype plus float32 adapters (rank x (in + out) per targeted projection).
   Over several fsdp devices, a matmul needs its whole weight: XLA gathers the
-  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype.
+  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype;
+  with gradientAccumulation above 1 it gathers every weight once for the whole
+  micro-batch scan (hoisted out of the loop: the float32 masters and their cast, the
+  frozen reference or teacher), a fixed cost that does not grow with the micro-batches.
 - optimizer: AdamW two float32 moments per trained weight, SGD one, Adafactor factored
   (about two float32 vectors per matrix). Gradients: float32, a second copy (the
   accumulator) with gradientAccumulation above 1; over several fsdp devices, the whole
@@ -21,13 +24,15 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   micro-batch row, the projections' inputs and outputs (and float32 copies of some) and
   the [heads, L, L] attention scores and probabilities (float32, and their cast to the
   compute dtype). With layer (or block) it keeps per layer the layer's input and, as
-  XLA's CPU compiles show, one to two float32 [heads, L, L] copies, and recomputes the
-  rest one layer at a time in backward.
+  XLA's CPU compiles show, up to two float32 [heads, L, L] copies (how many depends on
+  the program around the layers: SAVED_PER_SCORE and below), and recomputes the rest
+  one layer at a time in backward. The accumulation scan holds one micro-batch's
+  activations and logits at a time (posttrain.trainer.optim.accumulate).
 - logits: [rows, L, vocab] in the compute dtype and their float32 cast; over the tokens
   the loss scores (every token for SFT, the completion for DPO and GRPO) the float32
   gradient, and for DPO and GRPO the log-softmax too (SFT's loss is logsumexp minus the
   target's logit); less with LoRA, whose gradient does not reach the embedding; a
-  distillation teacher's logits as well.
+  distillation teacher's logits, their float32 cast and log-softmax as well.
 - reference / teacher: a frozen spec.model.dtype copy for DPO and GRPO (beta > 0) full
   fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
 - rollout cache: GRPO's KV cache, every generation of the step's prompts at
@@ -40,9 +45,11 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   against XLA (test_capacity_xla.py covers the text steps).
 
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
-the trainer's steps: tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA),
-DPO and GRPO steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
-`memory_analysis()`. So a job whose total is more than that band (BAND) above memory is
+the trainer's steps, compiled as the trainer runs them (posttrain.trainer.step_memory:
+its optimizer chain with gradient clipping, accumulation, remat, reference or teacher):
+tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA), DPO, GRPO and
+distillation steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
+`memory_analysis()`; bench/memory.py does so at published shapes and full depth. So a job whose total is more than that band (BAND) above memory is
 refused; one whose total is within BAND of memory (above 1 - BAND of it) is admitted
 with a warning naming the numbers.
 """
