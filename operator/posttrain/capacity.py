@@ -380,6 +380,9 @@ def suggestions(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimat
                 f"{t.batch_size // accumulation} examples a micro-batch): {need:.1f} GiB"
             )
             break
+    if remat_of(spec) != "layer":  # none or block: recompute whole layers instead
+        layer = spec.model_copy(update={"training": t.model_copy(update={"remat": "layer"})})
+        out.append(f"spec.training.remat: layer: {total(layer):.1f} GiB")
     half = max(8, spec.data.max_length // 2)
     if spec.technique != "grpo" and half < spec.data.max_length:
         short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_length": half})})
