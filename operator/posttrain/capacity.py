@@ -275,9 +275,11 @@ def estimate(
     activations += tokens * (w + 2) * 10 * d
     # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32
     # gradient, the log-softmax of DPO's and GRPO's log-probs (and distillation's student
-    # at the temperature) is kept as well; LoRA keeps fewer float32 copies, its gradient
-    # not reaching the embedding (XLA's figures).
-    per_scored = (4 if spec.technique == "sft" else 8) - (2 if spec.lora else 0)
+    # at the temperature) is kept as well, and GRPO's policy loss (Tunix's: the
+    # temperature-scaled log-softmax and the entropy over the vocabulary) keeps two more
+    # float32 copies (Qwen3 0.6B, 28 layers, bench/memory.py); LoRA keeps fewer float32
+    # copies, its gradient not reaching the embedding (XLA's figures).
+    per_scored = {"sft": 4, "grpo": 16}.get(str(spec.technique), 8) - (2 if spec.lora else 0)
     logits = tokens * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
     whole = 0  # weights gathered whole over fsdp: the embedding and one decoder layer
     # With accumulation XLA gathers every weight whole once, out of the micro-batch loop
