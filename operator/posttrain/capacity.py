@@ -77,8 +77,8 @@ WARN_ABOVE = 1 - BAND  # total / memory above which a job is admitted with a war
 SAVED_PER_LAYER = 2.0
 SAVED_PER_BLOCK = 4.0
 SAVED_PER_SCORE = 7.0
-# SAVED_PER_SCORE is SFT's with gradient clipping (the default). Without clipping
-# (spec.training.maxGradNorm: 0), and in the DPO, GRPO and distillation steps, XLA's CPU
+# SAVED_PER_SCORE is SFT's and distillation's with gradient clipping (the default).
+# Without clipping (spec.training.maxGradNorm: 0), and in the DPO and GRPO steps, XLA's CPU
 # scheduler keeps far less per rematerialised layer: 1.5 bytes per attention element
 # (Qwen3 0.6B, 28 layers: SFT at 4k 19.7 GiB against 57.2 GiB clipped, DPO at 2k 17.9 GiB;
 # bench/memory.py).
@@ -268,7 +268,7 @@ def estimate(
         score, working = SAVED_PER_SCORE_UNCLIPPED, REMAT_WORKING_SET
         if t.gradient_accumulation > 1:  # the layers run in the micro-batch scan's body
             score, working = 0.0, 1.0
-        elif spec.technique == "sft" and t.max_grad_norm > 0:
+        elif spec.technique in ("sft", "distill") and t.max_grad_norm > 0:
             score = SAVED_PER_SCORE
         kept += rows * shape.heads * length * length * score
         activations = shape.layers * kept + working * per_layer
