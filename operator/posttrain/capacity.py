@@ -11,7 +11,10 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   forward pass (the cast copy is counted too); LoRA keeps the frozen base in
   spec.model.dtype plus float32 adapters (rank x (in + out) per targeted projection).
   Over several fsdp devices, a matmul needs its whole weight: XLA gathers the
-  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype.
+  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype;
+  with gradientAccumulation above 1 it gathers every weight once for the whole
+  micro-batch scan (hoisted out of the loop: the float32 masters and their cast, the
+  frozen reference or teacher), a fixed cost that does not grow with the micro-batches.
 - optimizer: AdamW two float32 moments per trained weight, SGD one, Adafactor factored
   (about two float32 vectors per matrix). Gradients: float32, a second copy (the
   accumulator) with gradientAccumulation above 1; over several fsdp devices, the whole
@@ -21,13 +24,15 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   micro-batch row, the projections' inputs and outputs (and float32 copies of some) and
   the [heads, L, L] attention scores and probabilities (float32, and their cast to the
   compute dtype). With layer (or block) it keeps per layer the layer's input and, as
-  XLA's CPU compiles show, one float32 [heads, L, L] copy, and recomputes the rest one
-  layer at a time in backward.
+  XLA's CPU compiles show, up to two float32 [heads, L, L] copies (how many depends on
+  the program around the layers: SAVED_PER_SCORE and below), and recomputes the rest
+  one layer at a time in backward. The accumulation scan holds one micro-batch's
+  activations and logits at a time (posttrain.trainer.optim.accumulate).
 - logits: [rows, L, vocab] in the compute dtype and their float32 cast; over the tokens
   the loss scores (every token for SFT, the completion for DPO and GRPO) the float32
   gradient, and for DPO and GRPO the log-softmax too (SFT's loss is logsumexp minus the
   target's logit); less with LoRA, whose gradient does not reach the embedding; a
-  distillation teacher's logits as well.
+  distillation teacher's logits, their float32 cast and log-softmax as well.
 - reference / teacher: a frozen spec.model.dtype copy for DPO and GRPO (beta > 0) full
   fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
 - rollout cache: GRPO's KV cache, every generation of the step's prompts at
@@ -40,9 +45,11 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   against XLA (test_capacity_xla.py covers the text steps).
 
 The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
-the trainer's steps: tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA),
-DPO and GRPO steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
-`memory_analysis()`. So a job whose total is more than that band (BAND) above memory is
+the trainer's steps, compiled as the trainer runs them (posttrain.trainer.step_memory:
+its optimizer chain with gradient clipping, accumulation, remat, reference or teacher):
+tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA), DPO, GRPO and
+distillation steps on 1, 4 and 8 simulated devices and holds this estimate within 25% of
+`memory_analysis()`; bench/memory.py does so at published shapes and full depth. So a job whose total is more than that band (BAND) above memory is
 refused; one whose total is within BAND of memory (above 1 - BAND of it) is admitted
 with a warning naming the numbers.
 """
@@ -63,11 +70,23 @@ REFUSE_ABOVE = 1 + BAND  # total / memory above which a job is refused
 WARN_ABOVE = 1 - BAND  # total / memory above which a job is admitted with a warning
 # Rematerialised (spec.training.remat): what XLA keeps per layer, per token in units of
 # (w + 2) x hidden bytes (layer: its input; block: its attention's and MLP's inputs, not
-# checked against XLA) and per [heads, L, L] attention element (one float32 copy), and
-# the share of one layer's working set (test_capacity_xla.py, SFT, 2 and 4 layers).
+# checked against XLA) and per [heads, L, L] attention element (XLA keeps between one and
+# two float32 copies: 8 bytes at 28 layers of Qwen3 0.6B at 4k and at 2-4 small layers,
+# 6.7 under LoRA at 16 layers of Llama 3.2 1B at 8k; bench/memory.py,
+# test_capacity_xla.py), and the share of one layer's working set (test_capacity_xla.py).
 SAVED_PER_LAYER = 2.0
 SAVED_PER_BLOCK = 4.0
-SAVED_PER_SCORE = 4.0
+SAVED_PER_SCORE = 7.0
+# SAVED_PER_SCORE is SFT's and distillation's with gradient clipping (the default).
+# Without clipping (spec.training.maxGradNorm: 0), and in the DPO and GRPO steps, XLA's CPU
+# scheduler keeps far less per rematerialised layer: 1.5 bytes per attention element
+# (Qwen3 0.6B, 28 layers: SFT at 4k 19.7 GiB against 57.2 GiB clipped, DPO at 2k 17.9 GiB;
+# bench/memory.py).
+SAVED_PER_SCORE_UNCLIPPED = 1.5
+# With gradientAccumulation above 1 the layers run inside the micro-batch scan, which XLA
+# schedules apart from the update: only the layers' inputs are kept, plus one layer's whole
+# working set while it is recomputed (Qwen3 0.6B, 28 layers, 4k, accumulation 4: 12.7 GiB,
+# bench/memory.py).
 REMAT_WORKING_SET = 0.1
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
@@ -270,7 +289,7 @@ def estimate(
     # Bytes kept per token and decoder layer, per attention-probability element, per
     # logit: XLA's figures for the trainer's SFT step (tests/trainer/test_capacity_xla.py).
     per_token = (w + 2) * (7 * d + 5 * q + 3.5 * kv + 2.7 * f)
-    per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + 2 * w)
+    per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + w)
     remat = remat_of(spec)
     if remat == "none":
         activations = shape.layers * per_layer
@@ -280,15 +299,30 @@ def estimate(
         # them (XLA's figures for SFT, tests/trainer/test_capacity_xla.py), plus one
         # layer's whole working set while it is recomputed.
         kept = tokens * (w + 2) * d * (SAVED_PER_LAYER if remat == "layer" else SAVED_PER_BLOCK)
-        kept += rows * shape.heads * length * length * SAVED_PER_SCORE
-        activations = shape.layers * kept + REMAT_WORKING_SET * per_layer
+        score, working = SAVED_PER_SCORE_UNCLIPPED, REMAT_WORKING_SET
+        if t.gradient_accumulation > 1:  # the layers run in the micro-batch scan's body
+            score, working = 0.0, 1.0
+        elif spec.technique in ("sft", "distill") and t.max_grad_norm > 0:
+            score = SAVED_PER_SCORE
+        kept += rows * shape.heads * length * length * score
+        activations = shape.layers * kept + working * per_layer
     activations += tokens * (w + 2) * 10 * d
     # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32
-    # gradient, the log-softmax of DPO's and GRPO's log-probs is kept as well; LoRA keeps
-    # fewer float32 copies, its gradient not reaching the embedding (XLA's figures).
-    per_scored = (4 if spec.technique == "sft" else 8) - (2 if spec.lora else 0)
+    # gradient, the log-softmax of DPO's and GRPO's log-probs (and distillation's student
+    # at the temperature) is kept as well, and GRPO's policy loss (Tunix's: the
+    # temperature-scaled log-softmax and the entropy over the vocabulary) keeps two more
+    # float32 copies (Qwen3 0.6B, 28 layers, bench/memory.py); LoRA keeps fewer float32
+    # copies, its gradient not reaching the embedding (XLA's figures).
+    per_scored = {"sft": 4, "grpo": 16}.get(str(spec.technique), 8) - (2 if spec.lora else 0)
     logits = tokens * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
     whole = 0  # weights gathered whole over fsdp: the embedding and one decoder layer
+    # With accumulation XLA gathers every weight whole once, out of the micro-batch loop
+    # (loop-invariant all-gathers hoisted): the frozen models in spec.model.dtype, the
+    # trained float32 masters and their cast (XLA's figures, test_capacity_xla.py).
+    hoisted = t.gradient_accumulation > 1 and fsdp > 1
+    gathered = 0.0
+    if hoisted:
+        gathered = params * (w if spec.lora else 4 + w)
     if fsdp > 1:
         whole = shape.vocab * shape.hidden + shape.layer_params
 
@@ -297,12 +331,16 @@ def estimate(
         teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
         teacher = teacher or shape
         frozen = teacher.params * _DTYPE_BYTES[spec.distill.teacher.dtype] / fsdp
-        logits += tokens * teacher.vocab * (w + 4)
+        if hoisted:
+            frozen *= fsdp
+        # the teacher's logits, their float32 cast and the float32 log-softmax at the
+        # temperature that the KL's gradient reads (XLA's figures, test_capacity_xla.py)
+        logits += tokens * teacher.vocab * (w + 8)
     elif spec.lora is None and (
         (spec.technique == "dpo" and spec.dpo.algorithm == "dpo")
         or (spec.technique == "grpo" and spec.grpo.beta > 0)
     ):
-        frozen = params * w / fsdp
+        frozen = params * w / fsdp * (fsdp if hoisted else 1)
     cache = 0.0
     if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
@@ -322,7 +360,7 @@ def estimate(
             tower += vision.params * 12 / fsdp
             activations += (vision.depth - 1) * tower_layer
     terms = {
-        "weights": weights / fsdp + whole * w,
+        "weights": weights / fsdp + whole * w + gathered,
         "optimizer": opt_bytes / fsdp,
         "gradients": grads / fsdp + (0 if spec.lora else whole * 4),
         "activations": activations,
@@ -378,6 +416,9 @@ def suggestions(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimat
                 f"{t.batch_size // accumulation} examples a micro-batch): {need:.1f} GiB"
             )
             break
+    if remat_of(spec) != "layer":  # none or block: recompute whole layers instead
+        layer = spec.model_copy(update={"training": t.model_copy(update={"remat": "layer"})})
+        out.append(f"spec.training.remat: layer: {total(layer):.1f} GiB")
     half = max(8, spec.data.max_length // 2)
     if spec.technique != "grpo" and half < spec.data.max_length:
         short = spec.model_copy(update={"data": spec.data.model_copy(update={"max_length": half})})

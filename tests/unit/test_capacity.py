@@ -222,7 +222,7 @@ def test_grpo_rollout_cache_and_distillation_teacher():
         ),
         # the issue's case: even rematerialised, activations and logits are 86 GiB
         (job(training={"batchSize": 64}, data={"source": "/d.jsonl", "maxLength": 2048}), "over"),
-        (job(training={"batchSize": 24}, data={"source": "/d.jsonl", "maxLength": 2048}), "tight"),
+        (job(training={"batchSize": 16}, data={"source": "/d.jsonl", "maxLength": 2048}), "tight"),
         (job(training={"batchSize": 8}, data={"source": "/d.jsonl", "maxLength": 512}), "fits"),
     ],
 )
@@ -244,14 +244,23 @@ def test_refused_only_beyond_the_uncertainty_band(total, verdict):
 
 
 def test_remat_keeps_a_fraction_of_the_activations():
-    """auto is layer on an accelerator; block keeps more; none keeps every layer's."""
+    """auto is layer on an accelerator; block keeps more; none keeps every layer's. With
+    gradient clipping (the default) XLA keeps float32 attention copies of every
+    rematerialised layer, so remat saves less than without it."""
     data = {"source": "/d.jsonl", "maxLength": 2048}
     found = {
         remat: estimate(job(training={"batchSize": 16, "remat": remat}, data=data))
         for remat in ("auto", "layer", "block", "none")
     }
     act = {remat: e.terms["activations"] for remat, e in found.items()}
-    assert act["auto"] == act["layer"] < act["block"] < act["none"] / 3
+    assert act["auto"] == act["layer"] < act["block"] < act["none"] / 1.5
+    unclipped = {
+        remat: estimate(
+            job(training={"batchSize": 16, "remat": remat, "maxGradNorm": 0}, data=data)
+        ).terms["activations"]
+        for remat in ("layer", "none")
+    }
+    assert unclipped["layer"] < act["layer"] / 3 and unclipped["layer"] < unclipped["none"] / 3
     assert found["auto"].remat == "layer" and "remat layer" in found["auto"].explain()
     rest = {k: v for k, v in found["none"].terms.items() if k != "activations"}
     assert rest == {k: v for k, v in found["layer"].terms.items() if k != "activations"}
@@ -275,7 +284,7 @@ def test_webhook_refuses_warns_or_says_no_check_was_made():
     assert not refused["allowed"] and "warnings" not in refused
     message = refused["status"]["message"]
     assert "\n" not in message and "does not fit" in message and "LoRA" in message
-    tight = _review(job(training={"batchSize": 24}, data={"source": "/d", "maxLength": 2048}))
+    tight = _review(job(training={"batchSize": 16}, data={"source": "/d", "maxLength": 2048}))
     assert tight["allowed"]
     (warning,) = tight["warnings"]
     assert warning.startswith("spec.resources.accelerator: the job may run out of memory")

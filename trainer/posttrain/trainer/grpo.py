@@ -136,29 +136,28 @@ def make_train_step(
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
+    def micro_grads(model, ref_model, mb):
+        """((loss, (kl, clip fraction, entropy)), grads) of one micro-batch."""
+        example = common.TrainExample(
+            prompt_ids=mb["prompt_ids"],
+            prompt_mask=mb["prompt_ids"] != pad_id,
+            completion_ids=mb["completion_ids"],
+            completion_mask=mb["completion_mask"],
+            advantages=mb["advantages"],
+            ref_per_token_logps=ref_logps(model, ref_model, mb),
+            old_per_token_logps=None,
+        )
+        (loss, aux), grads = grad_fn(model, example, mb.get("behaviour_logps"))
+        return (loss, (aux["kl"], aux["pg_clipfrac"], aux["entropy"])), grads
+
     def step(model, optimizer, ref_model, batch):
-        n = batch["prompt_ids"].shape[0]
-        micro = {
-            k: v.reshape(accumulation, n // accumulation, *v.shape[1:]) for k, v in batch.items()
-        }
-        loss = kl = clip = entropy = jnp.zeros((), jnp.float32)
-        grads = None
-        for i in range(accumulation):
-            mb = {k: v[i] for k, v in micro.items()}
-            ref = ref_logps(model, ref_model, mb)
-            example = common.TrainExample(
-                prompt_ids=mb["prompt_ids"],
-                prompt_mask=mb["prompt_ids"] != pad_id,
-                completion_ids=mb["completion_ids"],
-                completion_mask=mb["completion_mask"],
-                advantages=mb["advantages"],
-                ref_per_token_logps=ref,
-                old_per_token_logps=None,
-            )
-            (micro_loss, aux), g = grad_fn(model, example, mb.get("behaviour_logps"))
-            loss, kl = loss + micro_loss, kl + aux["kl"]
-            clip, entropy = clip + aux["pg_clipfrac"], entropy + aux["entropy"]
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        # The micro-batches in a scan (optim.accumulate): one micro-batch's activations
+        # and logit gradients live at a time.
+        keys = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "behaviour_logps")
+        learner = {k: batch[k] for k in keys if k in batch}
+        loss, (kl, clip, entropy), grads = optim.accumulate(
+            micro_grads, learner, accumulation, model, ref_model
+        )
         scale = 1.0 / accumulation
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)

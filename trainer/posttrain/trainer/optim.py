@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from posttrain.api.spec import TrainingSpec
 
@@ -46,16 +47,52 @@ def accumulate(
     grad_fn: Callable[..., Any], batch: dict[str, jax.Array], accumulation: int, *args: Any
 ) -> tuple[jax.Array, Any, Any]:
     """Sums of `grad_fn(*args, micro_batch)` (which returns ((loss, aux), grads)) over
-    `accumulation` equal micro-batches of `batch`, split along its first axis: the loss,
-    the aux pytree and the gradients (inside a jitted step)."""
-    micro = {
-        k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:])
+    `accumulation` equal micro-batches of `batch` (rows interleaved, `micro_batches`): the
+    loss, the aux pytree and the gradients (inside a jitted step).
+
+    The micro-batches run in a `jax.lax.scan` whose carry is the running sums, so XLA
+    holds one micro-batch's activations and logit gradients at a time (a Python loop
+    unrolled in the step let it keep every micro-batch's float32 logit gradients alive
+    together: accumulation cost memory instead of saving it). The sums are taken in the
+    micro-batches' order, as the unrolled loop took them. `args` are nnx modules (or
+    None) read, not changed, by `grad_fn`. Over several fsdp devices XLA gathers the
+    weights whole once for the whole loop (it hoists the loop-invariant all-gathers out
+    of it): a fixed cost, in posttrain.capacity's estimate, that does not grow with the
+    micro-batches."""
+    if accumulation == 1:
+        (loss, aux), grads = grad_fn(*args, batch)
+        return loss, aux, grads
+    micro = micro_batches(batch, accumulation)
+    graphdef, state = nnx.split(args)
+
+    def one(mb: dict[str, jax.Array]):
+        # Fresh Variables in the scan's trace (nnx refuses ones made outside it).
+        return grad_fn(*nnx.merge(graphdef, jax.tree.map(lambda x: x, state)), mb)
+
+    first = {k: v[0] for k, v in micro.items()}
+    shapes = jax.eval_shape(one, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry, mb):
+        (loss, aux), grads = one(mb)
+        (total, aux_sum), grad_sum = carry
+        return ((total + loss, _add(aux_sum, aux)), _add(grad_sum, grads)), None
+
+    ((total, aux_sum), grads), _ = jax.lax.scan(body, zeros, micro)
+    return total, aux_sum, grads
+
+
+def micro_batches(batch: dict[str, jax.Array], accumulation: int) -> dict[str, jax.Array]:
+    """`batch` as [accumulation, rows / accumulation, ...] arrays: micro-batch i takes rows
+    i, i + accumulation, i + 2 x accumulation, ... A global batch is split over the devices
+    in contiguous blocks of rows, so each device keeps its share of every micro-batch (a
+    contiguous split would give micro-batch i to a few devices only, and XLA would move the
+    rows or compute that micro-batch's activations on those devices)."""
+    return {
+        k: jnp.swapaxes(v.reshape(v.shape[0] // accumulation, accumulation, *v.shape[1:]), 0, 1)
         for k, v in batch.items()
     }
-    total, aux_sum, grads = jnp.zeros((), jnp.float32), None, None
-    for i in range(accumulation):
-        (loss, aux), g = grad_fn(*args, {k: v[i] for k, v in micro.items()})
-        total = total + loss
-        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-        aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
-    return total, aux_sum, grads
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from posttrain.trainer import models
+from posttrain.trainer import models, optim
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -57,8 +57,8 @@ def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array
 
 
 def make_train_step(wrt: Any, accumulation: int):
-    """A jitted step: accumulate gradients over `accumulation` micro-batches, then one
-    optimizer update. Returns (loss, grad norm, target tokens, tokens processed)."""
+    """A jitted step: accumulate gradients over `accumulation` micro-batches (a scan,
+    optim.accumulate), then one optimizer update. Returns (loss, grad norm, target tokens, tokens processed)."""
 
     def summed(model: nnx.Module, batch: dict[str, jax.Array]):
         total, count = token_nll(model, batch)
@@ -67,16 +67,7 @@ def make_train_step(wrt: Any, accumulation: int):
     grad_fn = nnx.value_and_grad(summed, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]):
-        micro = {
-            k: v.reshape(accumulation, v.shape[0] // accumulation, *v.shape[1:])
-            for k, v in batch.items()
-        }
-        total = count = jnp.zeros((), jnp.float32)
-        grads = None
-        for i in range(accumulation):
-            (t, c), g = grad_fn(model, {k: v[i] for k, v in micro.items()})
-            total, count = total + t, count + c
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        total, count, grads = optim.accumulate(grad_fn, batch, accumulation, model)
         scale = 1.0 / jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)

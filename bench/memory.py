@@ -1,0 +1,219 @@
+"""The memory estimate (posttrain.capacity) against XLA at published shapes and full depth.
+
+Each case is a PostTrainJob at a real model's published config.json shape (every decoder
+layer, its vocabulary), on a real accelerator's device count: the trainer's own train step
+(posttrain.trainer.step_memory: spec.training's optimizer with clipping, its accumulation,
+remat, reference or teacher, LoRA) compiled ahead of time from abstract arrays on simulated
+CPU devices, one case per child process, and ``memory_analysis()`` of one device. It prints
+the estimate, XLA's figure and their ratio (goal: every ratio within 0.8-1.25), and the
+estimate's terms.
+
+One compile takes minutes (the models unroll their layers: compile time grows with depth);
+run it in the background:
+
+    python bench/memory.py > memory.txt 2>&1 &      # every case
+    python bench/memory.py --case lora-8k-r64       # one case
+    python bench/memory.py --list
+
+Rematerialised steps compile with XLA's memory-minimising CPU scheduler (see
+docs/user-guide.md, "Will it fit?": where XLA on CPU schedules differently from TPU/GPU).
+On a machine with an accelerator, bench/device_memory.py reads the same figures from the
+accelerator's own compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = 8
+REMAT_XLA_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+# Published config.json numbers (Hugging Face Hub), the fields the trainer reads.
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+         "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8}  # fmt: skip
+CONFIGS = {
+    "Qwen3-0.6B": {**QWEN3, "hidden_size": 1024, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "intermediate_size": 3072,
+                   "tie_word_embeddings": True},
+    "Qwen3-1.7B": {**QWEN3, "hidden_size": 2048, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "intermediate_size": 6144,
+                   "tie_word_embeddings": True},
+    "Llama-3.2-1B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "hidden_act": "silu", "hidden_size": 2048, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "intermediate_size": 8192, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                     "bos_token_id": 128000, "eos_token_id": 128001,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                                      "low_freq_factor": 1.0, "rope_type": "llama3",
+                                      "original_max_position_embeddings": 8192},
+                     "rope_theta": 500000.0},
+    "gemma-3-4b-it": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                        "num_hidden_layers": 34, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 10240,
+                        "vocab_size": 262208, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                        "sliding_window": 1024, "rope_theta": 1000000.0,
+                        "rope_local_base_freq": 10000.0,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                          "num_hidden_layers": 27, "num_attention_heads": 16,
+                          "intermediate_size": 4304, "image_size": 896, "patch_size": 14,
+                          "num_channels": 3, "layer_norm_eps": 1e-6, "vision_use_head": False,
+                          "hidden_act": "gelu_pytorch_tanh"},
+    },
+}  # fmt: skip
+
+SFT = {"technique": "sft", "data": {"maxLength": 4096}}
+# name: (model, accelerator, spec changes); training defaults: batch 8, AdamW, clipping 1.0
+CASES = {
+    "sft-4k-remat": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {"remat": "layer"}}),
+    "sft-4k-no-remat": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {"remat": "none"}}),
+    "sft-4k-remat-no-clipping": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
+        "remat": "layer", "maxGradNorm": 0}}),
+    "lora-8k-r64": ("Llama-3.2-1B", "v6e-8", {"technique": "sft", "data": {"maxLength": 8192},
+                    "lora": {"rank": 64, "alpha": 128}}),
+    "sft-4k-accumulation-4": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
+        "batchSize": 32, "gradientAccumulation": 4}}),
+    "grpo-full": ("Qwen3-0.6B", "v6e-8", {"technique": "grpo", "grpo": {
+        "numGenerations": 4, "maxPromptLength": 512, "maxCompletionLength": 1536,
+        "rewards": [{"type": "exactAnswer"}]}}),
+    "dpo-full-2k": ("Qwen3-0.6B", "v6e-8", {"technique": "dpo", "data": {"maxLength": 2048},
+                    "dpo": {"maxPromptLength": 512}}),
+    "distill-larger-teacher": ("Qwen3-0.6B", "v6e-8", {"technique": "distill",
+                               "data": {"maxLength": 2048},
+                               "distill": {"teacher": {"source": "Qwen3-1.7B"}}}),
+    "sft-2-slices": ("Qwen3-0.6B", "v6e-4", {**SFT, "resources": {"slices": 2},
+                     "training": {"batchSize": 16}}),
+    "vision-lora": ("gemma-3-4b-it", "v6e-8", {"technique": "sft", "data": {
+        "maxLength": 1024, "columns": {"images": "images"}}, "lora": {"rank": 16}}),
+}  # fmt: skip
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def spec_doc(name: str, models_dir: Path) -> dict:
+    model, accelerator, changes = CASES[name]
+    doc = {
+        "technique": "sft",
+        "model": {"source": str(models_dir / model), "dtype": "bfloat16"},
+        "data": {"source": "/data.jsonl", "maxLength": 4096},
+        "training": {"batchSize": 8, "remat": "auto"},
+        "output": {"uri": "/out"},
+        "resources": {"accelerator": accelerator},
+    }
+    doc = _merge(doc, changes)
+    if "distill" in doc:
+        doc["distill"]["teacher"]["source"] = str(models_dir / doc["distill"]["teacher"]["source"])
+    return doc
+
+
+def write_configs(models_dir: Path) -> None:
+    for model, config in CONFIGS.items():
+        (models_dir / model).mkdir(parents=True, exist_ok=True)
+        (models_dir / model / "config.json").write_text(json.dumps(config))
+
+
+def child(doc: dict, out: Path) -> None:
+    """Compile the case's step (this process has the simulated devices)."""
+    from posttrain import capacity, catalog
+    from posttrain.api.spec import PostTrainJobSpec
+    from posttrain.trainer import step_memory
+
+    spec = PostTrainJobSpec.model_validate(doc)
+    lay = capacity.layout(spec, catalog.resolve(spec.resources.accelerator))
+    started = time.monotonic()
+    memory = step_memory.compiled_memory(spec, step_memory.mesh_of(lay.slices, lay.per_slice))
+    out.write_text(json.dumps({**memory, "seconds": time.monotonic() - started}))
+
+
+def run_case(name: str, models_dir: Path, saved: dict) -> dict:
+    from posttrain import capacity, catalog
+    from posttrain.api.spec import PostTrainJobSpec
+    from posttrain.trainer import step_memory
+
+    doc = spec_doc(name, models_dir)
+    spec = PostTrainJobSpec.model_validate(doc)
+    placement = catalog.resolve(spec.resources.accelerator)
+    est = capacity.estimate(spec, placement)
+    flags = REMAT_XLA_FLAGS if capacity.remat_of(spec) != "none" else ""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
+    key = json.dumps(_merge(doc, {"model": {"source": CASES[name][0]}}), sort_keys=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "xla.json"
+        if key in saved:  # --saved: XLA's figures of an earlier run of the same case
+            out.write_text(json.dumps(saved[key]))
+            run = subprocess.CompletedProcess([], 0)
+        else:
+            run = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(doc), str(out)],
+                env=env, capture_output=True, text=True,
+            )  # fmt: skip
+        if run.returncode:
+            return {"name": name, "error": run.stderr.strip().splitlines()[-1:]}
+        memory = json.loads(out.read_text())
+    saved[key] = memory
+    xla = step_memory.peak_bytes(memory) / capacity.GIB
+    return {"name": name, "estimate": est.total_gib, "xla": xla, "ratio": est.total_gib / xla,
+            "seconds": memory["seconds"], "terms": est.terms, "line": est.explain()}  # fmt: skip
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        i = sys.argv.index("--child")
+        child(json.loads(sys.argv[i + 1]), Path(sys.argv[i + 2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--saved", type=Path, help="a JSON file of XLA's figures, read and "
+                        "updated: a case compiled before (same spec) is not compiled again, so "
+                        "a changed estimate is compared at once")  # fmt: skip
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(CASES))
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models_dir = Path(tmp)
+        write_configs(models_dir)
+        for name in args.case or list(CASES):
+            saved = json.loads(args.saved.read_text()) if args.saved and args.saved.exists() else {}
+            r = run_case(name, models_dir, saved)
+            if args.saved:
+                args.saved.write_text(json.dumps(saved, indent=1))
+            results.append(r)
+            if "error" in r:
+                print(f"{name:<24} failed: {r['error']}", flush=True)
+                continue
+            terms = ", ".join(f"{k} {v:.1f}" for k, v in r["terms"].items() if v >= 0.05)
+            print(f"{name:<24} estimate {r['estimate']:6.1f} GiB  XLA {r['xla']:6.1f} GiB  "
+                  f"ratio {r['ratio']:.2f}  (compiled in {r['seconds']:.0f} s; {terms})",
+                  flush=True)  # fmt: skip
+    ok = [r for r in results if "ratio" in r]
+    inside = [r for r in ok if 0.8 <= r["ratio"] <= 1.25]
+    print(f"{len(inside)} of {len(results)} cases within 0.8-1.25")
+    return 0 if len(inside) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
