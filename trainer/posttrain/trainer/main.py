@@ -64,15 +64,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         return e.exit_code
     # In a pod, once its devices are known good: the volumes' inputs and output (locally,
     # run_command checked them before JAX loaded).
-    try:
-        problems = _preflight(job, None, "spec.output.uri") if in_pod else []
-    except storage.Unreachable as e:
-        print(f"posttrain: {e}", file=sys.stderr)
-        return pathways.UNREACHABLE_EXIT_CODE
-    if problems:
-        for line in problems:
-            print(f"posttrain: {line}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
+    if in_pod and (code := _preflight_exit(job, None, "spec.output.uri")) is not None:
+        return code
     from posttrain.trainer.loop import Interrupted, StopFlag, train
     from posttrain.trainer.models import remat_policy
 
@@ -178,6 +171,22 @@ def _preflight(job: PostTrainJob, job_file: str | None, output_field: str) -> li
     return [why] if why else []
 
 
+def _preflight_exit(job: PostTrainJob, job_file: str | None, output_field: str) -> int | None:
+    """_preflight's problems printed one a line (after the job file, when there is one),
+    and the exit code they call for; None when the run may go on."""
+    from posttrain.trainer import pathways, storage
+
+    try:
+        problems = _preflight(job, job_file, output_field)
+    except storage.Unreachable as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        return pathways.UNREACHABLE_EXIT_CODE
+    prefix = f"posttrain: {job_file}: " if job_file else "posttrain: "
+    for line in problems:
+        print(f"{prefix}{line}", file=sys.stderr)
+    return USER_ERROR_EXIT_CODE if problems else None
+
+
 def _unwritable(uri: str, field: str, create: bool = True) -> str | None:
     """Why the output `uri` cannot be written, in one line naming `field`, or None."""
     from posttrain.local_paths import unwritable_output
@@ -200,18 +209,10 @@ def run_command(args: argparse.Namespace) -> int:
     except (InvalidJob, OSError) as e:
         print(f"posttrain: {_unreadable(e)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    from posttrain.trainer import pathways, storage
 
     output_field = "--output (spec.output.uri)" if args.output else "spec.output.uri"
-    try:
-        problems = _preflight(job, args.file, output_field)
-    except storage.Unreachable as e:
-        print(f"posttrain: {e}", file=sys.stderr)
-        return pathways.UNREACHABLE_EXIT_CODE
-    if problems:
-        for line in problems:
-            print(f"posttrain: {args.file}: {line}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
+    if (code := _preflight_exit(job, args.file, output_field)) is not None:
+        return code
     print(f"posttrain: training {job.metadata.name} -> {job.spec.output.uri}", file=sys.stderr)
     return _run(job, show_bar=True)
 

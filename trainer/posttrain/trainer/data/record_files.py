@@ -59,6 +59,17 @@ class RecordFile:
             self.bytes_read += n
 
 
+def _json_object(raw: bytes, where: str, invalid: str) -> dict[str, Any]:
+    """One row's JSON object; a DataError naming `where` when it is not one."""
+    try:
+        row = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{where}: {invalid}: {e}") from None
+    if not isinstance(row, dict):
+        raise _not_an_object(where, row)
+    return row
+
+
 def _not_an_object(where: str, value: Any) -> DataError:
     return DataError(f"{where}: each line must be a JSON object, got {type(value).__name__}")
 
@@ -184,13 +195,7 @@ class JsonlFile(RecordFile):
         self._count(len(raw))
         if a == 0:
             raw = raw.removeprefix(b"\xef\xbb\xbf")
-        try:
-            row = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{self.where(i)}: invalid JSON: {e}") from None
-        if not isinstance(row, dict):
-            raise _not_an_object(self.where(i), row)
-        return row
+        return _json_object(raw, self.where(i), "invalid JSON")
 
 
 class JsonArrayFile(RecordFile):
@@ -393,13 +398,7 @@ class ArrayRecordFile(RecordFile):
 
     def _row(self, i: int, raw: bytes) -> dict[str, Any]:
         self._count(len(raw))
-        try:
-            row = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{self.where(i)}: invalid JSON record: {e}") from None
-        if not isinstance(row, dict):
-            raise _not_an_object(self.where(i), row)
-        return row
+        return _json_object(raw, self.where(i), "invalid JSON record")
 
     def read(self, i: int) -> dict[str, Any]:
         return self.read_many([i])[0]
