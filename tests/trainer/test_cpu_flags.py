@@ -101,6 +101,49 @@ def test_freed_buffers_go_back_to_the_system():
     assert released["on"] > 150 and released["off"] < 50, released
 
 
+_ARENAS = """
+import ctypes, re, sys, tempfile, threading
+from posttrain.trainer import host_malloc
+if sys.argv[1] == "on":
+    assert host_malloc.return_freed_memory()
+held, ready = [], threading.Barrier(9)
+def work():  # each thread mallocs while the others are alive
+    held.append(bytearray(200_000))
+    ready.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads:
+    t.start()
+ready.wait()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+libc.fclose.argtypes = (ctypes.c_void_p,)
+libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+with tempfile.NamedTemporaryFile("r") as out:  # malloc_info: an XML report, a heap per arena
+    fp = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(len(re.findall("<heap nr=", out.read())))
+"""
+
+
+def test_threads_share_two_arenas():
+    """Every thread that allocates gets an arena of its own under glibc's defaults (up
+    to eight a core), each keeping its freed blocks; return_freed_memory caps them."""
+    import subprocess
+    import sys
+
+    arenas = {}
+    for mode in ("off", "on"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _ARENAS, mode], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        arenas[mode] = int(proc.stdout.split()[-1])
+    from posttrain.trainer import host_malloc
+
+    assert arenas["on"] <= host_malloc.ARENAS < arenas["off"], arenas
+
+
 def test_the_user_s_malloc_settings_win(monkeypatch):
     from posttrain.trainer import host_malloc
 
