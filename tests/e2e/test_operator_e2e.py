@@ -562,3 +562,92 @@ def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, opera
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(queue)
+
+
+def deadline_policy(namespace: str) -> list[dict]:
+    """A cluster's Job-level rule, as admins write them: a ValidatingAdmissionPolicy
+    (bound to `namespace` only) that refuses Jobs without spec.activeDeadlineSeconds. The
+    JobSet passes its webhook and posttrain's checks; each of its Jobs is refused."""
+    name = f"{namespace}-deadline"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [
+                {"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                 "resources": ["jobs"]}]},
+            "validations": [{"expression": "has(object.spec.activeDeadlineSeconds)",
+                             "message": "Jobs need spec.activeDeadlineSeconds"}],
+        },
+    }  # fmt: skip
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+        },
+    }  # fmt: skip
+    return [policy, binding]
+
+
+def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
+    cluster: Cluster, namespace: str, operator
+):
+    """The API server refusing a JobSet's Jobs shows only as the JobSet controller's
+    JobCreationFailed Events (it retries for ever): a quota that passes with time keeps
+    the job Pending with the refusal said, and it runs once the quota allows; a rule
+    that stays (a ValidatingAdmissionPolicy) fails the job in the API server's words.
+    Nothing of the job's Secret reaches its status, its Events or the operator's log."""
+    token = "hf_e2e_SECRET_VALUE"
+    cluster.core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "hf"}, "stringData": {"token": token}}
+    )
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota",
+             "metadata": {"name": "jobs", "namespace": namespace},
+             "spec": {"hard": {"count/jobs.batch": "0"}}}  # fmt: skip
+    cluster.apply(quota)
+    doc = valid_job("quota")
+    doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    row = wait_row(cluster, namespace, "quota", "exceeded quota", timeout=60)
+    assert row.split()[4] == "Pending", row
+    waiting = {c["type"]: c for c in status(cluster, namespace, "quota")["conditions"]}["Running"]
+    assert waiting["reason"] == "JobCreationFailed", waiting
+    assert "the JobSet controller retries" in waiting["message"], waiting
+    assert "limited: count/jobs.batch=0" in waiting["message"], waiting
+    quota["spec"]["hard"]["count/jobs.batch"] = "10"
+    cluster.apply(quota)
+    wait_phase(cluster, namespace, "quota", "Running", timeout=90, describe="jobsets,jobs,events")
+    cluster.kubectl("delete", "resourcequota", "jobs", "-n", namespace)
+
+    policy = deadline_policy(namespace)
+    cluster.apply(policy)
+    try:
+        time.sleep(2)  # the API server loads a new policy within a second
+        doc = valid_job("ruled")
+        doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
+        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        st, failed = wait_failed(cluster, namespace, "ruled", timeout=60)
+        assert failed["reason"] == "JobCreationFailed", failed
+        assert (
+            "ValidatingAdmissionPolicy" in failed["message"]
+            and "denied request: Jobs need spec.activeDeadlineSeconds" in failed["message"]
+        ), failed
+        assert st["message"].startswith("the API server refuses the JobSet's Job ruled-"), st
+        assert "JobCreationFailed" in wait_for(
+            lambda: reasons(cluster, namespace, "ruled"), timeout=10
+        )
+    finally:
+        cluster.delete_all(policy)
+    for name in ("quota", "ruled"):
+        said = str(status(cluster, namespace, name)) + " ".join(
+            e.message or "" for e in cluster.core.list_namespaced_event(namespace).items
+        )
+        assert token not in said
+    assert token not in operator.logs()

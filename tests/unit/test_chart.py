@@ -52,7 +52,7 @@ EXPECTED_CLUSTER_RULES = {
     ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch", "create", "patch"},
     ("", "serviceaccounts"): {"create", "get"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get"},
-    ("", "events"): {"create", "patch"},
+    ("", "events"): {"create", "patch", "list", "watch"},
     ("events.k8s.io", "events"): {"create", "patch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},

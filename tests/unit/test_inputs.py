@@ -14,11 +14,12 @@ from posttrain.api.documents import DocumentError, parse_documents
 @pytest.mark.parametrize(
     "data,message",
     [
-        ("a: 1\n".encode("utf-16"), "UTF-16"),
+        ("a: 1\n".encode("utf-16-le"), "UTF-16 text without a byte order mark"),
+        ("a: 1\n".encode("utf-16-be"), "UTF-16 text without a byte order mark"),
         (b"[" * 100_000, "nest"),
         (b"{a: " * 1000, "nested deeper than 64"),
         (b"a: [unclosed\n", "did not find expected"),
-        (b"a: 1\n" + b"#" * documents.MAX_BYTES, "larger than 1024 KiB"),
+        (b"a: 1\n" + b"#" * documents.MAX_BYTES, r"the file is 1\.00 MiB \(1048581 bytes\), over"),
         (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
          b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
          b"e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 100000 values"),
@@ -28,6 +29,21 @@ from posttrain.api.documents import DocumentError, parse_documents
 def test_documents_refused_with_a_reason(data, message):
     with pytest.raises(DocumentError, match=message):
         parse_documents(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "a: caf\xe9 \U0001f600\n".encode("utf-16"),  # Python writes its native order's BOM
+        b"\xff\xfe" + "a: caf\xe9 \U0001f600\n".encode("utf-16-le"),
+        b"\xfe\xff" + "a: caf\xe9 \U0001f600\n".encode("utf-16-be"),
+        b"\xef\xbb\xbf" + "a: caf\xe9 \U0001f600\n".encode(),
+    ],
+)
+def test_documents_with_a_byte_order_mark_read_as_kubectl_reads_them(data):
+    """cli-runtime's FileVisitor decodes with BOMOverride(UTF-8): the BOM picks the
+    encoding and is dropped."""
+    assert parse_documents(data) == [{"a": "caf\xe9 \U0001f600"}]
 
 
 def test_documents_read_as_kubectl_reads_them():

@@ -10,6 +10,11 @@ applies where it stands, later keys winning; a duplicate key keeps its last valu
 fraction is an integer (`8.0` is 8), bytes that are not UTF-8 are U+FFFD, and a null
 value in a mapping is no value (the API server prunes it from an object's fields).
 
+Bytes are decoded as kubectl decodes a file (cli-runtime's FileVisitor: x/text's
+BOMOverride over a UTF-8 decoder): a UTF-8, UTF-16LE or UTF-16BE byte order mark selects
+that encoding and is dropped; without one the bytes are UTF-8, so UTF-16 without a BOM
+(NUL bytes between the characters) is refused, as kubectl refuses it.
+
 Before anything is built, the file's size, nesting depth and node count (aliases
 expanded, so "billion laughs" documents stop early, naming the key where they do) are
 checked. Errors name the line and column; the caller names the file.
@@ -20,13 +25,17 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-MAX_BYTES = 1024 * 1024  # the API server refuses larger requests of this kind anyway
+# posttrain reads no larger job file: a job's whole spec must fit in the 240 KiB of its
+# JobSet's config annotation (render.trainer_config), and the API server stores no
+# object over etcd's 1.5 MiB request limit.
+MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 64
 MAX_NODES = 100_000
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -234,14 +243,36 @@ def _yaml_error(e: yaml.YAMLError) -> str:
     return " ".join(str(e).replace('"<unicode string>"', "the file").split())
 
 
+def too_large(size: int) -> DocumentError:
+    return DocumentError(
+        f"the file is {size / 2**20:.2f} MiB ({size} bytes), over the {MAX_BYTES} bytes "
+        "(1 MiB) posttrain reads of a job file: a job's whole spec must fit in the 240 KiB "
+        "of its JobSet's config annotation",
+        "(file size)",
+    )
+
+
+def decode(data: bytes) -> str:
+    """The text of a file's bytes as kubectl reads them (see the module's docstring); bytes
+    that are not valid in the encoding are U+FFFD, as kubectl's decoders make them."""
+    for bom, codec in ((b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be")):
+        if data.startswith(bom):
+            return data[2:].decode(codec, errors="replace")
+    if b"\x00" in data[:2] and not data.startswith(b"\xef\xbb\xbf"):
+        raise DocumentError(
+            "UTF-16 text without a byte order mark, which kubectl refuses too: save the file "
+            "as UTF-8 (or as UTF-16 with a BOM)",
+            "(encoding)",
+        )
+    # kubectl sends bytes that are not UTF-8 as U+FFFD (its JSON encoder replaces them).
+    return data.decode("utf-8", errors="replace").removeprefix("\ufeff")
+
+
 def parse_documents(data: bytes) -> list[Any]:
     """Every non-empty YAML document in `data`; DocumentError says what is wrong."""
     if len(data) > MAX_BYTES:
-        raise DocumentError(f"larger than {MAX_BYTES // 1024} KiB")
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        raise DocumentError("UTF-16 text: save the file as UTF-8")
-    # kubectl sends bytes that are not UTF-8 as U+FFFD (its JSON encoder replaces them).
-    text = data.decode("utf-8", errors="replace").removeprefix("\ufeff")
+        raise too_large(len(data))
+    text = decode(data)
     try:
         _check_events(text)
         loader = _Loader(text)
@@ -264,4 +295,7 @@ def read_documents(path: str | Path) -> list[Any]:
     """parse_documents of a file (OSError when it cannot be read)."""
     with open(path, "rb") as f:
         data = f.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            size = os.fstat(f.fileno()).st_size
+            raise too_large(max(size, len(data)))
     return parse_documents(data)

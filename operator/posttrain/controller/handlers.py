@@ -9,6 +9,8 @@ holds the leader Lease (`Queue`).
   again after the watch was lost); jobs whose JobSet is not made yet go first.
 - JobSet, Job, pod and Kueue Workload events: the job they belong to (by the job-name label;
   the reconcile checks ownership by UID).
+- The JobSet controller's JobCreationFailed Events (the only Events streamed): the job of
+  the JobSet they are about (a JobSet is named as its job).
 
 No timer, no finalizer (the job's objects carry owner references: the garbage collector
 deletes them with the job), no kopf progress or diff-base annotations on the job (only
@@ -128,3 +130,10 @@ async def on_workload_event(namespace: str, body: kopf.Body, **kwargs: Any) -> N
     for owner in body["metadata"].get("ownerReferences") or []:
         if owner.get("kind") == "JobSet":
             Queue.add((namespace, owner["name"]), kwargs)
+
+
+@kopf.on.event("v1", "events")
+async def on_refusal_event(namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    involved = body.get("involvedObject") or {}
+    if involved.get("kind") == "JobSet" and involved.get("name"):
+        Queue.add((namespace, involved["name"]), kwargs)

@@ -12,6 +12,10 @@ reads instead of the API server.
   JobSet count (`phase.owned_pods`), not any pod that carries the label;
 - a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
   only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept;
+- the JobSet controller's JobCreationFailed Events (`phase.refusal_event`) by (namespace,
+  JobSet name): only those Events are streamed (a server-side field selector); the API
+  server refusing a Job (invalid, forbidden by a policy, over a quota) says so nowhere
+  else (`phase.job_refusal`);
 - the names of the WorkloadPriorityClasses and PriorityClasses that exist (few, cluster
   scoped): while the class a queued JobSet names is missing, Kueue makes no Workload and
   says so only in its log (`phase.without_workload`);
@@ -51,6 +55,8 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on every Workload Kueue makes 
 # On each JobSet: the job's spec.scheduling fields it was made or last patched from.
 SCHEDULING_ANNOTATION = "posttrain.dev/scheduling"
 Key = tuple[str, str]
+# The only Events streamed: the JobSet controller's, when a Job is refused.
+REFUSAL_EVENTS = f"involvedObject.kind=JobSet,reason={phase.JOB_CREATION_FAILED}"
 
 
 def selectors(settings: kopf.OperatorSettings) -> None:
@@ -62,6 +68,7 @@ def selectors(settings: kopf.OperatorSettings) -> None:
     settings.watching.label_selectors[(KUEUE_GROUP, KUEUE_VERSION, "workloads")] = (
         KUEUE_JOB_UID_LABEL
     )
+    settings.watching.field_selectors[("v1", "events")] = REFUSAL_EVENTS
 
 
 def jobset_owned(body: kopf.Body, **_: Any) -> bool:
@@ -204,6 +211,14 @@ async def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key,
     return {(namespace, owner["name"]): (owner.get("uid"), state)}
 
 
+@kopf.index("v1", "events")
+async def refusal_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    refusal = phase.refusal_event(dict(body))
+    name = (body.get("involvedObject") or {}).get("name")
+    shed(body, "involvedObject")
+    return {(namespace, name): refusal} if refusal and name else {}
+
+
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses")
 async def workload_priority_class_index(name: str, **_: Any) -> dict[str, str]:
     return {"names": name}
@@ -282,8 +297,19 @@ def workload(
 
 
 def blocked(indexes: dict[str, Any], jobset_body: dict[str, Any] | None) -> phase.Cause | None:
-    """Why the JobSet's Jobs can make no pod, as far as the indexes know."""
-    return phase.missing_priority_class(jobset_body, _names(indexes, "priority_class_index"))
+    """Why the JobSet's Jobs are not made, or can make no pod, as far as the indexes know."""
+    if jobset_body is None:
+        return None
+    meta = jobset_body["metadata"]
+    made = sum(
+        1
+        for _, owner in _values(indexes.get("batch_job_index"), (meta["namespace"], meta["name"]))
+        if owner == meta.get("uid")
+    )
+    refusals = _values(indexes.get("refusal_index"), (meta["namespace"], meta["name"]))
+    return phase.job_refusal(jobset_body, refusals, made) or phase.missing_priority_class(
+        jobset_body, _names(indexes, "priority_class_index")
+    )
 
 
 class QueuePositions:

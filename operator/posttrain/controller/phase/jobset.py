@@ -1,8 +1,10 @@
 """The JobSet's word, and its Jobs': the phase from the JobSet's conditions and its
-replicated jobs' status, with the pods' and Kueue's causes (`phase_from`)."""
+replicated jobs' status, with the pods' and Kueue's causes (`phase_from`), and the
+JobSet controller's Events when the API server refuses a Job (`job_refusal`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -38,6 +40,85 @@ def missing_priority_class(
     )
 
 
+# The JobSet controller's Event when the API server refuses one of its Jobs; it retries
+# (with backoff) for as long as the JobSet exists, and says so nowhere else.
+JOB_CREATION_FAILED = "JobCreationFailed"
+# createJobs' wrapping of each refused Job's error (several are joined by newlines).
+_CREATION_FAILED = re.compile(r'^job "([^"]*)" creation failed with error: ')
+# Refusals that pass with time: a namespace's ResourceQuota (jobs, pods or resources in
+# use), a namespace on its way out, an API server not yet ready.
+_TRANSIENT = (
+    "exceeded quota",
+    "status unknown for quota",
+    "because it is being terminated",
+    "not yet ready to handle request",
+)
+
+
+def refusal_event(event: dict[str, Any]) -> tuple[str, str, str] | None:
+    """A JobSet's JobCreationFailed Event (core/v1) as (the JobSet's UID, when it was
+    last seen, its message); None for any other Event."""
+    involved = event.get("involvedObject") or {}
+    if involved.get("kind") != "JobSet" or event.get("reason") != JOB_CREATION_FAILED:
+        return None
+    times = [
+        event.get("lastTimestamp"),
+        event.get("eventTime"),
+        (event.get("series") or {}).get("lastObservedTime"),
+        (event.get("metadata") or {}).get("creationTimestamp"),
+    ]
+    seen = max((t[:19] for t in times if isinstance(t, str)), default="")
+    return involved.get("uid") or "", seen, str(event.get("message") or "")
+
+
+def refusal_is_final(error: str) -> bool:
+    """Whether the API server's refusal of a Job stays: the Job is invalid (422), or an
+    admission rule (a ValidatingAdmissionPolicy, a webhook, RBAC) forbids it. A quota, a
+    terminating namespace or an unready server pass with time; so may what is unknown."""
+    if any(t in error for t in _TRANSIENT):
+        return False
+    return " is invalid: " in error or " is forbidden: " in error or "denied the request" in error
+
+
+def job_refusal(
+    jobset: dict[str, Any] | None,
+    events: Iterable[tuple[str, str, str]],
+    jobs_made: int,
+) -> Cause | None:
+    """Why the JobSet has fewer Jobs than it asks for, when the API server refuses them:
+    the latest of its JobCreationFailed Events (`refusal_event`), in the API server's
+    own words. Final (the job fails) for a refusal that stays (`refusal_is_final`), else
+    the job waits while the JobSet controller retries. None once every Job is made."""
+    if jobset is None:
+        return None
+    uid = jobset.get("metadata", {}).get("uid")
+    mine = [(seen, message) for owner, seen, message in events if owner == uid and message]
+    if not mine or jobs_made >= _expected_jobs(jobset):
+        return None
+    errors = max(mine)[1].strip().splitlines()
+    job = _CREATION_FAILED.match(errors[0])
+    error = _CREATION_FAILED.sub("", errors[0], count=1)
+    more = f" (and {len(errors) - 1} more Jobs)" if len(errors) > 1 else ""
+    name = f"Job {job.group(1)}" if job else "a Job"
+    if refusal_is_final(error):
+        return Cause(
+            JOB_CREATION_FAILED,
+            f"the API server refuses the JobSet's {name}{more}: {error}",
+            0,
+            final=True,
+        )
+    return Cause(
+        JOB_CREATION_FAILED,
+        f"the API server refused the JobSet's {name}{more} (the JobSet controller "
+        f"retries): {error}",
+        1,
+    )
+
+
+def _expected_jobs(jobset: dict[str, Any]) -> int:
+    return sum(int(r.get("replicas", 1)) for r in jobset.get("spec", {}).get("replicatedJobs", []))
+
+
 def _leader(jobset: dict[str, Any]) -> tuple[str, int, int]:
     """The first replicated job's name, its pods per Job, and its Jobs."""
     first = (jobset.get("spec", {}).get("replicatedJobs") or [{}])[0]
@@ -61,7 +142,8 @@ def phase_from(
     blocked: Cause | None = None,
 ) -> Observation:
     """The phase that a JobSet, its pods and its Workload mean for the PostTrainJob;
-    `blocked`: why no pod can be made (`missing_priority_class`)."""
+    `blocked`: why no pod can be made (`missing_priority_class`, `job_refusal`): the
+    job fails when that is final."""
     if jobset is None:
         return Observation(Phase.pending, "Creating", "creating the JobSet")
     status = jobset.get("status") or {}
@@ -90,6 +172,8 @@ def phase_from(
                 Phase.failed, causes[0].reason, f"{causes[0].message} ({message})", restarts
             )
         return Observation(Phase.failed, c.get("reason") or "JobSetFailed", message, restarts)
+    if blocked is not None and blocked.final:
+        return Observation(Phase.failed, blocked.reason, blocked.message, restarts)
     if user_suspended and (
         jobset.get("spec", {}).get("suspend") or (workload is not None and workload.name)
     ):
