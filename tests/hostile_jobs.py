@@ -291,6 +291,10 @@ CASES: list[Hostile] = [
     H("reward-adjacent-groups", PATTERN, regex_reward("(.*)(.*)(.*)(.*)(.*)X")),
     H("reward-adjacent-words", PATTERN, regex_reward(r"\w+\w+\w+!")),
     H("reward-three-wildcards", PATTERN, regex_reward(".*a.*a.*aX")),
+    H("reward-same-alternatives", PATTERN, regex_reward("(a|a)*X")),
+    H("reward-prefix-alternatives", PATTERN, regex_reward("(a|ab)*c")),
+    H("reward-digit-alternatives", PATTERN, regex_reward(r"(\d|\d\d)+$")),
+    H("reward-one-class-alternatives-ok", None, regex_reward(r"(\w|\d)+$")),
     H("reward-think-answer-ok", None, regex_reward(r"^<think>.*</think>\s*<answer>.*</answer>$")),
     H(
         "lora-unknown-module",

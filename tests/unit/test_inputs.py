@@ -129,6 +129,16 @@ def test_large_documents_are_parsed_by_libyaml():
         (r".*\s*X", "one after another"),
         (".{0,500}.{0,500}x", "one after another"),
         (".*a.*a.*aX", "3 long repeats over (almost) any character"),
+        # alternatives under a repeat that split the text in many ways
+        ("(a|a)*X", "alternatives inside a repeated group"),  # 1.9 s on 24 characters
+        ("(a|ab)*c", "alternatives inside a repeated group"),
+        ("(a|aa)+$", "alternatives inside a repeated group"),
+        ("(ab|a|b)*c", "alternatives inside a repeated group"),
+        ("(foo|fo|o)*X", "alternatives inside a repeated group"),
+        (r"(\d|\d\d)+$", "alternatives inside a repeated group"),
+        ("((a|b)|a)*X", "alternatives inside a repeated group"),
+        ("(a|)*X", "alternatives inside a repeated group"),
+        ("(x|xy|y){2,50}z", "alternatives inside a repeated group"),
     ],
 )
 def test_dangerous_regexes_refused(pattern, problem):
@@ -141,10 +151,34 @@ def test_dangerous_regexes_refused(pattern, problem):
     "pattern",
     ["q_proj", r"(.*/)?(q_proj|v_proj)", r"layers/\d+/attn/q_proj", r"<answer>\s*\d+</answer>",
      r"(ab{2})+", "a{2,1000}", r"^<think>.*</think>\s*<answer>.*</answer>$", r"\S+\s+\S+",
-     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>"],
+     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>", "(?:yes|no)+", "(cat|dog)+",
+     r"(<b>|<i>)*x"],
 )  # fmt: skip
 def test_ordinary_regexes_accepted(pattern):
     assert patterns.regex_error(pattern) is None
+
+
+# Forms that take exponential time in backtracking engines, which Python's parser makes
+# single-character classes or splits no other way: accepted, and they finish.
+@pytest.mark.parametrize(
+    "pattern,text",
+    [(r"(\w|\d)+$", "1" * 5000 + "!"), (r"(.|\n)*X", "a\n" * 2500), (r"(a|\w)*X", "a" * 5000),
+     (r"(\s|\S)*X", "a " * 2500), ("(cat|dog)+X", "cat" * 2000)],
+)  # fmt: skip
+def test_alternatives_python_reads_as_one_class_are_accepted_and_finish(pattern, text):
+    import signal
+
+    def hung(*_):
+        raise AssertionError(f"{pattern} did not finish in 10 s")
+
+    assert patterns.regex_error(pattern) is None
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)  # a guard against a hang (sre checks signals), not a timing
+    try:
+        assert patterns.compile_user_regex(pattern, "f").search(text) is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -- locations --------------------------------------------------------------------------
