@@ -123,3 +123,38 @@ def test_an_indexed_job_keeps_its_spec_and_status_for_the_event_handler():
         "labels",
         "ownerReferences",
     }
+
+
+def test_a_jobsets_refusal_events_make_it_blocked_until_its_jobs_are_made():
+    """The JobSet controller's JobCreationFailed Events are indexed by JobSet name; with
+    fewer Jobs than the JobSet asks for, the latest one is why the job waits or fails."""
+    message = (
+        'job "tune-node-0" creation failed with error: jobs.batch "tune-node-0" is forbidden: '
+        "exceeded quota: jobs, requested: count/jobs.batch=1, used: count/jobs.batch=0, "
+        "limited: count/jobs.batch=0"
+    )
+    raw = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": "tune.1", "namespace": "team", "managedFields": [{}]},
+        "involvedObject": {"kind": "JobSet", "name": "tune", "uid": "js1"},
+        "reason": "JobCreationFailed",
+        "message": message,
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+        "source": {"component": "jobset"},
+    }
+    index = asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(raw)))
+    assert set(raw) == {"apiVersion", "kind", "metadata", "involvedObject"}  # kopf's copy
+    jobset = {
+        "metadata": {"name": "tune", "namespace": "team", "uid": "js1"},
+        "spec": {"replicatedJobs": [{"name": "node", "replicas": 1}]},
+        "status": {},
+    }
+    indexes = {"refusal_index": {k: [v] for k, v in index.items()}, "batch_job_index": {}}
+    cause = watches.blocked(indexes, jobset)
+    assert cause.reason == "JobCreationFailed" and not cause.final
+    assert cause.message.endswith("limited: count/jobs.batch=0")
+    indexes["batch_job_index"] = {("team", "tune"): [("job1", "js1")]}  # its Job is made
+    assert watches.blocked(indexes, jobset) is None
+    other = {"involvedObject": {"kind": "Pod", "name": "p"}, "reason": "JobCreationFailed"}
+    assert asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(other))) == {}
