@@ -403,6 +403,21 @@ CASES: list[Hostile] = [
         put("spec.output", {"uri": "/proc/self", "persistentVolumeClaim": "outs"}),
     ),  # fmt: skip
     H(
+        "output-pvc-tmp-h100",
+        OUT,
+        both(
+            put("spec.output", {"uri": "/tmp", "persistentVolumeClaim": "outs"}),
+            put("spec.resources", {"accelerator": "nvidia-h100-80gb", "nodes": 2}),
+            put(BATCH, 16),
+        ),
+    ),  # two volumes at /tmp: an invalid Job that only JobSet's Events reported
+    H("output-pvc-tmp", OUT, put("spec.output", {"uri": "/tmp/", "persistentVolumeClaim": "outs"})),
+    H(
+        "output-pvc-under-tmp-ok",
+        None,
+        put("spec.output", {"uri": "/tmp/run", "persistentVolumeClaim": "outs"}),
+    ),
+    H(
         "output-pvc-ok",
         None,
         put("spec.output", {"uri": "/outputs/run", "persistentVolumeClaim": "outs"}),
