@@ -146,15 +146,15 @@ def test_a_jobsets_refusal_events_make_it_blocked_until_its_jobs_are_made():
     index = asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(raw)))
     assert set(raw) == {"apiVersion", "kind", "metadata", "involvedObject"}  # kopf's copy
     jobset = {
-        "metadata": {"name": "tune", "namespace": "team", "uid": "js1"},
+        "metadata": {"name": "tune", "uid": "js1"},
         "spec": {"replicatedJobs": [{"name": "node", "replicas": 1}]},
         "status": {},
     }
     indexes = {"refusal_index": {k: [v] for k, v in index.items()}, "batch_job_index": {}}
-    cause = watches.blocked(indexes, jobset)
+    cause = watches.blocked(indexes, "team", jobset)
     assert cause.reason == "JobCreationFailed" and not cause.final
     assert cause.message.endswith("limited: count/jobs.batch=0")
     indexes["batch_job_index"] = {("team", "tune"): [("job1", "js1")]}  # its Job is made
-    assert watches.blocked(indexes, jobset) is None
+    assert watches.blocked(indexes, "team", jobset) is None
     other = {"involvedObject": {"kind": "Pod", "name": "p"}, "reason": "JobCreationFailed"}
     assert asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(other))) == {}

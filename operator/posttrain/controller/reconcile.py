@@ -109,7 +109,7 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
         jobset=jobset,
         pods=tuple(watches.pods(indexes, namespace, name, jobset)),
         workload=watches.workload(indexes, namespace, jobset),
-        blocked=watches.blocked(indexes, jobset),
+        blocked=watches.blocked(indexes, namespace, jobset),
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed

@@ -296,17 +296,17 @@ def workload(
     )
 
 
-def blocked(indexes: dict[str, Any], jobset_body: dict[str, Any] | None) -> phase.Cause | None:
-    """Why the JobSet's Jobs are not made, or can make no pod, as far as the indexes know."""
+def blocked(
+    indexes: dict[str, Any], namespace: str, jobset_body: dict[str, Any] | None
+) -> phase.Cause | None:
+    """Why the JobSet's Jobs are not made, or can make no pod, as far as the indexes know.
+    (A JobSet has its job's name: the Jobs' index and the Events' share the key.)"""
     if jobset_body is None:
         return None
-    meta = jobset_body["metadata"]
-    made = sum(
-        1
-        for _, owner in _values(indexes.get("batch_job_index"), (meta["namespace"], meta["name"]))
-        if owner == meta.get("uid")
-    )
-    refusals = _values(indexes.get("refusal_index"), (meta["namespace"], meta["name"]))
+    key = (namespace, jobset_body["metadata"]["name"])
+    uid = jobset_body["metadata"].get("uid")
+    made = sum(1 for _, owner in _values(indexes.get("batch_job_index"), key) if owner == uid)
+    refusals = _values(indexes.get("refusal_index"), key)
     return phase.job_refusal(jobset_body, refusals, made) or phase.missing_priority_class(
         jobset_body, _names(indexes, "priority_class_index")
     )
