@@ -651,3 +651,39 @@ def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
         )
         assert token not in said
     assert token not in operator.logs()
+
+
+def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
+    cluster: Cluster, namespace: str, operator
+):
+    """The API server refusing a Job's pods shows only as the Job controller's
+    FailedCreate Events: a ResourceQuota keeps the job Pending with the refusal said
+    until the quota allows the pods; a LimitRange's maximum fails it in its words."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota",
+             "metadata": {"name": "pods", "namespace": namespace},
+             "spec": {"hard": {"pods": "1"}}}  # fmt: skip
+    cluster.apply(quota)
+    tpu_job(cluster, namespace, "squeezed", "posttrain-trainer:slow")  # 2 hosts: 2 pods
+    row = wait_row(cluster, namespace, "squeezed", "exceeded quota", timeout=60)
+    assert row.split()[4] == "Pending", row
+    waiting = {c["type"]: c for c in status(cluster, namespace, "squeezed")["conditions"]}
+    assert waiting["Running"]["reason"] == "PodCreationFailed", waiting
+    assert "(the Job controller retries)" in waiting["Running"]["message"], waiting
+    assert "limited: pods=1" in waiting["Running"]["message"], waiting
+    quota["spec"]["hard"]["pods"] = "10"
+    cluster.apply(quota)
+    wait_for(  # the slow trainer may finish before a reconcile sees it run
+        lambda: status(cluster, namespace, "squeezed").get("phase") in ("Running", "Succeeded"),
+        timeout=90,
+        describe=lambda: cluster.describe(namespace, "jobs,pods,events"),
+    )
+    cluster.kubectl("delete", "ptj", "squeezed", "-n", namespace, "--wait=true")
+    limits = {"apiVersion": "v1", "kind": "LimitRange",
+              "metadata": {"name": "tpus", "namespace": namespace},
+              "spec": {"limits": [{"type": "Container", "max": {"google.com/tpu": "1"}}]}}  # fmt: skip
+    cluster.apply(limits)
+    tpu_job(cluster, namespace, "limited", "posttrain-trainer:slow")
+    st, failed = wait_failed(cluster, namespace, "limited", timeout=60)
+    assert failed["reason"] == "PodCreationFailed", failed
+    assert "maximum google.com/tpu usage per Container is 1" in failed["message"], failed
+    assert st["message"].startswith("the API server refuses the Jobs' pods: "), st

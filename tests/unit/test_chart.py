@@ -53,7 +53,7 @@ EXPECTED_CLUSTER_RULES = {
     ("", "serviceaccounts"): {"create", "get"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get"},
     ("", "events"): {"create", "patch", "list", "watch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch", "list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},
     ("scheduling.k8s.io", "priorityclasses"): {"get", "list", "watch"},

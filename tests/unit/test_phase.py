@@ -990,7 +990,7 @@ def made(uid="u1", replicas=1):
         ("a ResourceQuota on Jobs", QUOTA, False),
         ("a ValidatingAdmissionPolicy", POLICY, True),
         ("an invalid Job (422)", INVALID, True),
-        ("a webhook's denial", WEBHOOK, True),
+        ("a webhook's denial", WEBHOOK, False),
         ("a timeout", TIMEOUT, False),
     ],
 )
@@ -1049,3 +1049,50 @@ def test_an_events_api_refusal_is_read_from_its_series():
     event["eventTime"] = "2026-01-01T00:00:01.000000Z"
     event["series"] = {"count": 4, "lastObservedTime": "2026-01-01T00:09:00.123456Z"}
     assert refusal_event(event) == ("u1", "2026-01-01T00:09:00", QUOTA)
+
+
+POD_QUOTA = (
+    'Error creating: pods "j-slice-0-0-abcde" is forbidden: exceeded quota: tpu, requested: '
+    "google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0"
+)
+LIMIT_RANGE = (
+    'Error creating: pods "j-slice-0-0-abcde" is forbidden: maximum memory usage per '
+    "Container is 1Gi, but limit is 64Gi"
+)
+
+
+def pod_refused(message, uid="job1", seen="2026-01-01T00:00:00Z"):
+    """The Job controller's FailedCreate Event as events.k8s.io/v1 shows it."""
+    return {
+        "metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"},
+        "regarding": {"kind": "Job", "name": "j-slice-0", "uid": uid},
+        "reason": "FailedCreate",
+        "note": message,
+        "deprecatedLastTimestamp": seen,
+    }
+
+
+@pytest.mark.parametrize("message,final", [(POD_QUOTA, False), (LIMIT_RANGE, True)])
+def test_refused_pods_fail_the_job_or_keep_it_waiting_in_the_api_servers_words(message, final):
+    from posttrain.controller.phase import pod_refusal, refusal_event
+
+    js = made(replicas=1)
+    js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] = 2
+    events = [refusal_event(pod_refused(message))]
+    cause = pod_refusal(js, events, ["job1"], 1)  # one of the two pods made
+    error = message.removeprefix("Error creating: ")
+    assert cause.reason == "PodCreationFailed" and cause.final == final
+    assert cause.message.endswith(error)
+    p = status_patch(js, SPEC, {}, "t", 1, [], None, cause)
+    assert p["phase"] == ("Failed" if final else "Pending"), p
+    assert pod_refusal(js, events, ["job1"], 2) is None  # every pod made
+    assert pod_refusal(js, events, ["job2"], 0) is None  # an Event of another Job
+    # A missing PriorityClass is said by missing_priority_class, naming the field.
+    no_class = 'Error creating: pods "p" is forbidden: no PriorityClass with name x was found'
+    assert not pod_refusal(js, [refusal_event(pod_refused(no_class))], ["job1"], 0).final
+    # JobSet's webhook holds a slice's other pods until its first is placed: no refusal.
+    placement = (
+        'Error creating: admission webhook "vpod.kb.io" denied the request: follower pod node '
+        "selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool"
+    )
+    assert pod_refusal(js, [refusal_event(pod_refused(placement))], ["job1"], 1) is None

@@ -22,6 +22,7 @@ from posttrain.controller.phase.jobset import (
     job_refusal,
     missing_priority_class,
     phase_from,
+    pod_refusal,
     refusal_event,
     refusal_is_final,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "outputs_for",
     "owned_pods",
     "phase_from",
+    "pod_refusal",
     "pod_state",
     "queue_positions",
     "refusal_event",

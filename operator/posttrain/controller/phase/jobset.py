@@ -1,6 +1,7 @@
 """The JobSet's word, and its Jobs': the phase from the JobSet's conditions and its
 replicated jobs' status, with the pods' and Kueue's causes (`phase_from`), and the
-JobSet controller's Events when the API server refuses a Job (`job_refusal`)."""
+controllers' Events when the API server refuses what they create: the JobSet
+controller's Jobs (`job_refusal`), the Job controller's pods (`pod_refusal`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def missing_priority_class(
 # The JobSet controller's Event when the API server refuses one of its Jobs; it retries
 # (with backoff) for as long as the JobSet exists, and says so nowhere else.
 JOB_CREATION_FAILED = "JobCreationFailed"
+# The Job controller's Event when the API server refuses one of a Job's pods.
+POD_CREATION_FAILED_EVENT = "FailedCreate"
+POD_CREATION_FAILED = "PodCreationFailed"
 # createJobs' wrapping of each refused Job's error (several are joined by newlines).
 _CREATION_FAILED = re.compile(r'^job "([^"]*)" creation failed with error: ')
 # Refusals that pass with time: a namespace's ResourceQuota (jobs, pods or resources in
@@ -52,32 +56,45 @@ _TRANSIENT = (
     "status unknown for quota",
     "because it is being terminated",
     "not yet ready to handle request",
+    "no PriorityClass with name",  # `missing_priority_class` says it, naming the field
 )
 
 
 def refusal_event(event: dict[str, Any]) -> tuple[str, str, str] | None:
-    """A JobSet's JobCreationFailed Event (core/v1) as (the JobSet's UID, when it was
-    last seen, its message); None for any other Event."""
-    involved = event.get("involvedObject") or {}
-    if involved.get("kind") != "JobSet" or event.get("reason") != JOB_CREATION_FAILED:
+    """A JobSet's JobCreationFailed Event or a Job's FailedCreate Event, in core/v1's
+    shape or events.k8s.io/v1's, as (the UID of the JobSet or Job, when it was last
+    seen, its message); None for any other Event."""
+    involved = event.get("involvedObject") or event.get("regarding") or {}
+    wanted = {"JobSet": JOB_CREATION_FAILED, "Job": POD_CREATION_FAILED_EVENT}
+    if wanted.get(involved.get("kind")) != event.get("reason"):
         return None
     times = [
         event.get("lastTimestamp"),
+        event.get("deprecatedLastTimestamp"),
         event.get("eventTime"),
         (event.get("series") or {}).get("lastObservedTime"),
         (event.get("metadata") or {}).get("creationTimestamp"),
     ]
     seen = max((t[:19] for t in times if isinstance(t, str)), default="")
-    return involved.get("uid") or "", seen, str(event.get("message") or "")
+    return involved.get("uid") or "", seen, str(event.get("message") or event.get("note") or "")
+
+
+# Refusals that stay until someone changes the cluster's rules or the job: the object is
+# invalid (422), a ValidatingAdmissionPolicy, Pod Security or a LimitRange's bounds.
+_FINAL = re.compile(
+    r" is invalid: |ValidatingAdmissionPolicy|violates PodSecurity"
+    r"|(maximum|minimum) \S+ usage per (Container|Pod)"
+)
+# JobSet's pod webhook refuses the other pods of a slice until its first is placed
+# (exclusive placement): a step of every start, not a refusal to report.
+_PLACEMENT_STEP = "follower pod node selector for topology domain not found"
 
 
 def refusal_is_final(error: str) -> bool:
-    """Whether the API server's refusal of a Job stays: the Job is invalid (422), or an
-    admission rule (a ValidatingAdmissionPolicy, a webhook, RBAC) forbids it. A quota, a
-    terminating namespace or an unready server pass with time; so may what is unknown."""
-    if any(t in error for t in _TRANSIENT):
-        return False
-    return " is invalid: " in error or " is forbidden: " in error or "denied the request" in error
+    """Whether the API server's refusal stays (`_FINAL`). Anything else, a quota, a
+    terminating namespace, a webhook's denial (webhooks such as JobSet's own deny for a
+    while), RBAC, the job waits for with the refusal said."""
+    return not any(t in error for t in _TRANSIENT) and bool(_FINAL.search(error))
 
 
 def job_refusal(
@@ -111,6 +128,37 @@ def job_refusal(
         JOB_CREATION_FAILED,
         f"the API server refused the JobSet's {name}{more} (the JobSet controller "
         f"retries): {error}",
+        1,
+    )
+
+
+def pod_refusal(
+    jobset: dict[str, Any] | None,
+    events: Iterable[tuple[str, str, str]],
+    jobs: Iterable[str],
+    pods_made: int,
+) -> Cause | None:
+    """Why the JobSet's Jobs have fewer pods than they ask for, when the API server
+    refuses them (a ResourceQuota, a LimitRange, Pod Security): the latest FailedCreate
+    Event of its Jobs (`jobs`: their UIDs), in the API server's own words; final as in
+    `job_refusal`. None once every pod is made."""
+    if jobset is None or pods_made >= _expected_pods(jobset):
+        return None
+    mine = set(jobs)
+    latest = max(
+        ((seen, m) for uid, seen, m in events if uid in mine and m and _PLACEMENT_STEP not in m),
+        default=None,
+    )
+    if latest is None:
+        return None
+    error = latest[1].strip().splitlines()[0].removeprefix("Error creating: ")
+    if refusal_is_final(error):
+        return Cause(
+            POD_CREATION_FAILED, f"the API server refuses the Jobs' pods: {error}", 0, final=True
+        )
+    return Cause(
+        POD_CREATION_FAILED,
+        f"the API server refused the Jobs' pods (the Job controller retries): {error}",
         1,
     )
 

@@ -27,6 +27,7 @@ WARNINGS = {
     "Evicted",
     "PriorityClassNotFound",
     "JobCreationFailed",
+    "PodCreationFailed",
 }
 
 
