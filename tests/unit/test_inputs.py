@@ -1,6 +1,7 @@
 """The pure checks behind validation: YAML documents, user regexes, locations,
 Kubernetes values and the batch split."""
 
+import re
 from decimal import Decimal
 
 import pytest
@@ -44,6 +45,22 @@ def test_documents_with_a_byte_order_mark_read_as_kubectl_reads_them(data):
     """cli-runtime's FileVisitor decodes with BOMOverride(UTF-8): the BOM picks the
     encoding and is dropped."""
     assert parse_documents(data) == [{"a": "caf\xe9 \U0001f600"}]
+
+
+@pytest.mark.parametrize(
+    "data,field,message",
+    [
+        (b"spec:\n  image: !!binary '###'\n", "spec.image", "line 2, column 10: !!binary"),
+        (b"a: [{b: " + b"[" * 70 + b"]" * 70 + b"}]\n", "a[0].b" + "[0]" * 61,
+         "line 1, column 70: nested deeper than 64 levels"),
+        (b"- {x: 1}\n- " + b"{k: " * 70 + b"1" + b"}" * 70 + b"\n", "[1]" + ".k" * 63,
+         "nested deeper than 64"),
+    ],
+)  # fmt: skip
+def test_document_limits_name_the_key_where_they_run_over(data, field, message):
+    with pytest.raises(DocumentError, match=re.escape(message)) as e:
+        parse_documents(data)
+    assert e.value.field == field
 
 
 def test_documents_read_as_kubectl_reads_them():

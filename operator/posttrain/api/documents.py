@@ -53,6 +53,7 @@ class DocumentError(ValueError):
 BOOL_TAG, NULL_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"
 INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 STR_TAG = "tag:yaml.org,2002:str"
+BINARY_TAG = "tag:yaml.org,2002:binary"
 # go-yaml v2's resolve table (resolve.go).
 _TRUE = {"y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"}
 _FALSE = {"n", "N", "no", "No", "NO", "false", "False", "FALSE", "off", "Off", "OFF"}
@@ -196,17 +197,46 @@ def as_sent(value: Any) -> Any:
 
 
 def _check_events(text: str) -> None:
-    """Depth from the event stream (iterative in C: no recursion on hostile input)."""
+    """Depth from the event stream (iterative in C: no recursion on hostile input),
+    naming the key where the nesting runs over."""
     loader = _Loader(text)
-    depth = 0
+    # One frame per open collection: its path, and for a mapping the key last read and
+    # whether the next node is a key; for a sequence the index of the last item.
+    frames: list[dict[str, Any]] = []
+
+    def place(event: yaml.Event) -> str:
+        """The path of the node `event` starts, advancing its parent's frame."""
+        if not frames:
+            return ""
+        top = frames[-1]
+        if top["map"]:
+            if top["expect_key"]:
+                top["key"] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+                top["expect_key"] = False
+                return top["path"]
+            top["expect_key"] = True
+            return f"{top['path']}.{top['key']}" if top["path"] else str(top["key"])
+        top["index"] += 1
+        return f"{top['path']}[{top['index']}]"
+
     try:
         while (event := loader.get_event()) is not None:
             if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise DocumentError(f"nested deeper than {MAX_DEPTH} levels")
+                path = place(event)
+                if len(frames) >= MAX_DEPTH:
+                    mark = event.start_mark
+                    raise DocumentError(
+                        f"line {mark.line + 1}, column {mark.column + 1}: nested deeper than "
+                        f"{MAX_DEPTH} levels",
+                        path or "(yaml)",
+                    )
+                is_map = isinstance(event, yaml.MappingStartEvent)
+                frames.append({"path": path, "map": is_map, "expect_key": True, "key": None,
+                               "index": -1})  # fmt: skip
             elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+                frames.pop()
+            elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+                place(event)
     finally:
         loader.dispose()
 
@@ -221,6 +251,15 @@ def _check_size(node: yaml.Node) -> None:
             raise DocumentError(
                 f"more than {MAX_NODES} values (with aliases expanded)", path or "(yaml)"
             )
+        if node.tag == BINARY_TAG and isinstance(node, yaml.ScalarNode):
+            try:
+                base64.b64decode("".join(node.value.split()), validate=True)
+            except (binascii.Error, ValueError):
+                mark = node.start_mark
+                raise DocumentError(
+                    f"line {mark.line + 1}, column {mark.column + 1}: !!binary that is not base64",
+                    path or "(yaml)",
+                ) from None
         if isinstance(node, yaml.SequenceNode):
             stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
         elif isinstance(node, yaml.MappingNode):
