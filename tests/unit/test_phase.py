@@ -1029,6 +1029,9 @@ def test_a_refusal_counts_only_while_its_jobsets_jobs_are_missing():
     assert job_refusal(None, events, 0) is None
     assert refusal_event(refusal(QUOTA, kind="Job")) is None
     assert refusal_event({**refusal(QUOTA), "reason": "SuccessfulCreate"}) is None
+    # A restart's Job that waits for the one of the attempt before: no refusal.
+    again = 'job "j-slice-0" creation failed with error: jobs.batch "j-slice-0" already exists'
+    assert job_refusal(js, [refusal_event(refusal(again, seen="2026-01-02T00:00:00Z"))], 0) is None
     # Several Jobs refused at once: the first, and how many more.
     two = QUOTA + "\n" + QUOTA.replace("j-slice-0", "j-slice-1")
     cause = job_refusal(js, [refusal_event(refusal(two))], 0)

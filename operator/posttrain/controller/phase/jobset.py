@@ -85,9 +85,10 @@ _FINAL = re.compile(
     r" is invalid: |ValidatingAdmissionPolicy|violates PodSecurity"
     r"|(maximum|minimum) \S+ usage per (Container|Pod)"
 )
-# JobSet's pod webhook refuses the other pods of a slice until its first is placed
-# (exclusive placement): a step of every start, not a refusal to report.
-_PLACEMENT_STEP = "follower pod node selector for topology domain not found"
+# Not refusals to report, steps of an ordinary start or restart: JobSet's pod webhook
+# holds the other pods of a slice until its first is placed (exclusive placement); a
+# restart's new Job waits for the one of the attempt before to be gone.
+_STEPS = ("follower pod node selector for topology domain not found", " already exists")
 
 
 def refusal_is_final(error: str) -> bool:
@@ -95,6 +96,10 @@ def refusal_is_final(error: str) -> bool:
     terminating namespace, a webhook's denial (webhooks such as JobSet's own deny for a
     while), RBAC, the job waits for with the refusal said."""
     return not any(t in error for t in _TRANSIENT) and bool(_FINAL.search(error))
+
+
+def _refusal(message: str) -> bool:
+    return bool(message) and not any(step in message for step in _STEPS)
 
 
 def job_refusal(
@@ -109,7 +114,7 @@ def job_refusal(
     if jobset is None:
         return None
     uid = jobset.get("metadata", {}).get("uid")
-    mine = [(seen, message) for owner, seen, message in events if owner == uid and message]
+    mine = [(seen, m) for owner, seen, m in events if owner == uid and _refusal(m)]
     if not mine or jobs_made >= _expected_jobs(jobset):
         return None
     errors = max(mine)[1].strip().splitlines()
@@ -146,7 +151,7 @@ def pod_refusal(
         return None
     mine = set(jobs)
     latest = max(
-        ((seen, m) for uid, seen, m in events if uid in mine and m and _PLACEMENT_STEP not in m),
+        ((seen, m) for uid, seen, m in events if uid in mine and _refusal(m)),
         default=None,
     )
     if latest is None:
