@@ -140,6 +140,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
     # Two handlers may both report the first Pending; the order is what matters.
     transitions = [r for i, r in enumerate(seen) if i == 0 or seen[i - 1] != r]
     assert transitions == ["Pending", "Running", "Succeeded"], seen
+    assert not {"JobCreationFailed", "PodCreationFailed"} & set(all_seen), all_seen
     cluster.kubectl("delete", "ptj", "happy", "-n", namespace)
 
     def gone() -> bool:
@@ -164,6 +165,9 @@ def test_crashing_job_restarts_then_fails(cluster: Cluster, namespace: str, oper
     assert st["restarts"] == 2
     assert failed["status"] == "True" and failed["reason"] and failed["message"]
     assert "Restarting" in reasons(cluster, namespace, "crashy") or st["restarts"] == 2
+    # Restarts recreate Jobs and pods: the controllers' steps on the way are no refusals.
+    said = set(reasons(cluster, namespace, "crashy"))
+    assert not {"JobCreationFailed", "PodCreationFailed"} & said, said
 
 
 def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, operator):
