@@ -26,13 +26,30 @@ pairs = [
      [m for m in r["messages"] if m["role"] == "assistant"][-1]["content"])
     for r in rows
 ]
-for sample in last.get("samples", [])[:1]:  # the question alone, not the whole chat prompt
+
+
+def same(a, b):
+    """The same answer, whatever the case, spacing or final full stop."""
+    return " ".join(a.lower().split()).rstrip(".!") == " ".join(b.lower().split()).rstrip(".!")
+
+
+asked = []  # (question, the dataset's answer, the model's), the question alone
+for sample in last.get("samples", []):
     found = [(q, a) for q, a in pairs if q in sample["prompt"]]
     if found:
         question, answer = max(found, key=lambda qa: len(qa[0]))
-        print(f"a held-out question: {question}")
-        print(f"  the dataset's answer: {answer}")
-        print(f"  the trained model's:  {sample['completion'].strip()}")
+        asked.append((question, answer, sample["completion"].strip()))
+right = [x for x in asked if same(x[1], x[2])]
+if asked:
+    print(
+        f"held-out questions the trained model answers right (greedy, step {last['step']}): "
+        f"{len(right)} of {len(asked)}"
+    )
+for question, answer, said in right[:3]:
+    print(f"  {question}  ->  {said}")
+if asked and not right:
+    question, answer, said = asked[0]
+    print(f"  {question}  ->  {said}  (the dataset's answer: {answer})")
 PY
 echo "done in $((SECONDS - start))s; outputs in runs/sft-lora-smollm2/ (checkpoints/, tensorboard/, hf/, eval.json)"
 cat <<'NEXT'

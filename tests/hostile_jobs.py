@@ -291,6 +291,10 @@ CASES: list[Hostile] = [
     H("reward-adjacent-groups", PATTERN, regex_reward("(.*)(.*)(.*)(.*)(.*)X")),
     H("reward-adjacent-words", PATTERN, regex_reward(r"\w+\w+\w+!")),
     H("reward-three-wildcards", PATTERN, regex_reward(".*a.*a.*aX")),
+    H("reward-same-alternatives", PATTERN, regex_reward("(a|a)*X")),
+    H("reward-prefix-alternatives", PATTERN, regex_reward("(a|ab)*c")),
+    H("reward-digit-alternatives", PATTERN, regex_reward(r"(\d|\d\d)+$")),
+    H("reward-one-class-alternatives-ok", None, regex_reward(r"(\w|\d)+$")),
     H("reward-think-answer-ok", None, regex_reward(r"^<think>.*</think>\s*<answer>.*</answer>$")),
     H(
         "lora-unknown-module",
@@ -398,6 +402,21 @@ CASES: list[Hostile] = [
         OUT,
         put("spec.output", {"uri": "/proc/self", "persistentVolumeClaim": "outs"}),
     ),  # fmt: skip
+    H(
+        "output-pvc-tmp-h100",
+        OUT,
+        both(
+            put("spec.output", {"uri": "/tmp", "persistentVolumeClaim": "outs"}),
+            put("spec.resources", {"accelerator": "nvidia-h100-80gb", "nodes": 2}),
+            put(BATCH, 16),
+        ),
+    ),  # two volumes at /tmp: an invalid Job that only JobSet's Events reported
+    H("output-pvc-tmp", OUT, put("spec.output", {"uri": "/tmp/", "persistentVolumeClaim": "outs"})),
+    H(
+        "output-pvc-under-tmp-ok",
+        None,
+        put("spec.output", {"uri": "/tmp/run", "persistentVolumeClaim": "outs"}),
+    ),
     H(
         "output-pvc-ok",
         None,

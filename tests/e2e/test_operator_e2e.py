@@ -140,6 +140,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(cluster: Cluster, namespace:
     # Two handlers may both report the first Pending; the order is what matters.
     transitions = [r for i, r in enumerate(seen) if i == 0 or seen[i - 1] != r]
     assert transitions == ["Pending", "Running", "Succeeded"], seen
+    assert not {"JobCreationFailed", "PodCreationFailed"} & set(all_seen), all_seen
     cluster.kubectl("delete", "ptj", "happy", "-n", namespace)
 
     def gone() -> bool:
@@ -164,6 +165,9 @@ def test_crashing_job_restarts_then_fails(cluster: Cluster, namespace: str, oper
     assert st["restarts"] == 2
     assert failed["status"] == "True" and failed["reason"] and failed["message"]
     assert "Restarting" in reasons(cluster, namespace, "crashy") or st["restarts"] == 2
+    # Restarts recreate Jobs and pods: the controllers' steps on the way are no refusals.
+    said = set(reasons(cluster, namespace, "crashy"))
+    assert not {"JobCreationFailed", "PodCreationFailed"} & said, said
 
 
 def test_user_error_fails_without_restarts(cluster: Cluster, namespace: str, operator):
@@ -562,3 +566,128 @@ def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, opera
     finally:
         cluster.kubectl("delete", "ptj", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all(queue)
+
+
+def deadline_policy(namespace: str) -> list[dict]:
+    """A cluster's Job-level rule, as admins write them: a ValidatingAdmissionPolicy
+    (bound to `namespace` only) that refuses Jobs without spec.activeDeadlineSeconds. The
+    JobSet passes its webhook and posttrain's checks; each of its Jobs is refused."""
+    name = f"{namespace}-deadline"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [
+                {"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                 "resources": ["jobs"]}]},
+            "validations": [{"expression": "has(object.spec.activeDeadlineSeconds)",
+                             "message": "Jobs need spec.activeDeadlineSeconds"}],
+        },
+    }  # fmt: skip
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+        },
+    }  # fmt: skip
+    return [policy, binding]
+
+
+def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
+    cluster: Cluster, namespace: str, operator
+):
+    """The API server refusing a JobSet's Jobs shows only as the JobSet controller's
+    JobCreationFailed Events (it retries for ever): a quota that passes with time keeps
+    the job Pending with the refusal said, and it runs once the quota allows; a rule
+    that stays (a ValidatingAdmissionPolicy) fails the job in the API server's words.
+    Nothing of the job's Secret reaches its status, its Events or the operator's log."""
+    token = "hf_e2e_SECRET_VALUE"
+    cluster.core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "hf"}, "stringData": {"token": token}}
+    )
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota",
+             "metadata": {"name": "jobs", "namespace": namespace},
+             "spec": {"hard": {"count/jobs.batch": "0"}}}  # fmt: skip
+    cluster.apply(quota)
+    doc = valid_job("quota")
+    doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+    row = wait_row(cluster, namespace, "quota", "exceeded quota", timeout=60)
+    assert row.split()[4] == "Pending", row
+    waiting = {c["type"]: c for c in status(cluster, namespace, "quota")["conditions"]}["Running"]
+    assert waiting["reason"] == "JobCreationFailed", waiting
+    assert "the JobSet controller retries" in waiting["message"], waiting
+    assert "limited: count/jobs.batch=0" in waiting["message"], waiting
+    quota["spec"]["hard"]["count/jobs.batch"] = "10"
+    cluster.apply(quota)
+    wait_phase(cluster, namespace, "quota", "Running", timeout=90, describe="jobsets,jobs,events")
+    cluster.kubectl("delete", "resourcequota", "jobs", "-n", namespace)
+
+    policy = deadline_policy(namespace)
+    cluster.apply(policy)
+    try:
+        time.sleep(2)  # the API server loads a new policy within a second
+        doc = valid_job("ruled")
+        doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
+        cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
+        st, failed = wait_failed(cluster, namespace, "ruled", timeout=60)
+        assert failed["reason"] == "JobCreationFailed", failed
+        assert (
+            "ValidatingAdmissionPolicy" in failed["message"]
+            and "denied request: Jobs need spec.activeDeadlineSeconds" in failed["message"]
+        ), failed
+        assert st["message"].startswith("the API server refuses the JobSet's Job ruled-"), st
+        assert "JobCreationFailed" in wait_for(
+            lambda: reasons(cluster, namespace, "ruled"), timeout=10
+        )
+    finally:
+        cluster.delete_all(policy)
+    for name in ("quota", "ruled"):
+        said = str(status(cluster, namespace, name)) + " ".join(
+            e.message or "" for e in cluster.core.list_namespaced_event(namespace).items
+        )
+        assert token not in said
+    assert token not in operator.logs()
+
+
+def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
+    cluster: Cluster, namespace: str, operator
+):
+    """The API server refusing a Job's pods shows only as the Job controller's
+    FailedCreate Events: a ResourceQuota keeps the job Pending with the refusal said
+    until the quota allows the pods; a LimitRange's maximum fails it in its words."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota",
+             "metadata": {"name": "pods", "namespace": namespace},
+             "spec": {"hard": {"pods": "1"}}}  # fmt: skip
+    cluster.apply(quota)
+    tpu_job(cluster, namespace, "squeezed", "posttrain-trainer:slow")  # 2 hosts: 2 pods
+    row = wait_row(cluster, namespace, "squeezed", "exceeded quota", timeout=60)
+    assert row.split()[4] == "Pending", row
+    waiting = {c["type"]: c for c in status(cluster, namespace, "squeezed")["conditions"]}
+    assert waiting["Running"]["reason"] == "PodCreationFailed", waiting
+    assert "(the Job controller retries)" in waiting["Running"]["message"], waiting
+    assert "limited: pods=1" in waiting["Running"]["message"], waiting
+    quota["spec"]["hard"]["pods"] = "10"
+    cluster.apply(quota)
+    wait_for(  # the slow trainer may finish before a reconcile sees it run
+        lambda: status(cluster, namespace, "squeezed").get("phase") in ("Running", "Succeeded"),
+        timeout=90,
+        describe=lambda: cluster.describe(namespace, "jobs,pods,events"),
+    )
+    cluster.kubectl("delete", "ptj", "squeezed", "-n", namespace, "--wait=true")
+    limits = {"apiVersion": "v1", "kind": "LimitRange",
+              "metadata": {"name": "tpus", "namespace": namespace},
+              "spec": {"limits": [{"type": "Container", "max": {"google.com/tpu": "1"}}]}}  # fmt: skip
+    cluster.apply(limits)
+    tpu_job(cluster, namespace, "limited", "posttrain-trainer:slow")
+    st, failed = wait_failed(cluster, namespace, "limited", timeout=60)
+    assert failed["reason"] == "PodCreationFailed", failed
+    assert "maximum google.com/tpu usage per Container is 1" in failed["message"], failed
+    assert st["message"].startswith("the API server refuses the Jobs' pods: "), st

@@ -309,6 +309,10 @@ ALLOWED = [
     ("create", "events", "other"),
     ("patch", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
+    ("list", "events", "-"),  # the JobSet controller's JobCreationFailed, field selected
+    ("watch", "events", "-"),
+    ("list", "events.events.k8s.io", "-"),  # the Job controller's FailedCreate
+    ("watch", "events.events.k8s.io", "-"),
     ("create", "leases.coordination.k8s.io", "release"),
     ("get", f"leases.coordination.k8s.io/{LEASE}", "release"),
     ("update", f"leases.coordination.k8s.io/{LEASE}", "release"),

@@ -93,3 +93,46 @@ def test_a_second_signal_while_training_exits_at_once():
     assert r.stdout.splitlines() == ["start-up interrupted", "checkpointing"]
     assert "exiting now" in r.stderr
     assert time.monotonic() - began < 20
+
+
+def test_ctrl_c_during_a_compile_says_so_at_once_and_a_second_exits():
+    """XLA compiling the first step is one long C call: Python runs no signal handler
+    until it returns. The first Ctrl-C still says at once what it will do, and a second
+    exits at once, saving nothing. (The main thread here blocks SIGINT and sleeps in C,
+    which a signal does not cut short either, as a compile.)"""
+    import select
+
+    script = textwrap.dedent(
+        """
+        import ctypes, logging, signal
+        from posttrain.trainer.loop import StopFlag
+
+        logging.basicConfig(level=logging.INFO)
+        StopFlag().install()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        print("compiling", flush=True)
+        ctypes.CDLL(None).sleep(60)
+        print("compiled", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "compiling\n"
+        proc.send_signal(signal.SIGINT)
+        began, said = time.monotonic(), ""
+        while "again to exit at once" not in said and time.monotonic() - began < 10:
+            if select.select([proc.stderr], [], [], 1)[0]:
+                said += proc.stderr.readline()
+        assert "received SIGINT before the first step: stopping once" in said, said
+        assert "saving nothing" in said and proc.poll() is None  # still in its C call
+        proc.send_signal(signal.SIGINT)
+        out, rest = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, said + rest
+    assert "compiled" not in out
+    assert "received SIGINT again: exiting now; nothing saved" in rest
+    assert time.monotonic() - began < 20

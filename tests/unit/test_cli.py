@@ -77,7 +77,7 @@ def test_validate_never_tracebacks_and_keeps_going(tmp_path):
         "scalar.yaml": b"just text\n",
         "list-first.yaml": b"- a\n---\n" + _job_yaml().encode(),
         "latin1.yaml": "metadata: {name: caf\xe9}\n".encode("latin-1"),
-        "utf16.yaml": _job_yaml().encode("utf-16"),
+        "utf16.yaml": _job_yaml().encode("utf-16-le"),  # no byte order mark
         "deep.yaml": b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n",
         "escape.yaml": _job_yaml(**{"x\x1b[32m\nspec.model: valid": 1}).encode(),
         "regex.yaml": _job_yaml(lora={"targetModules": "a{4294967296}"}).encode(),
@@ -98,6 +98,36 @@ def test_validate_never_tracebacks_and_keeps_going(tmp_path):
     assert all(line.startswith(str(tmp_path)) for line in lines), lines  # no forged lines
     assert "spec.x\\x1b[32m\\nspec.model: valid: unknown field" in r.stderr
     assert "spec.lora.targetModules" in r.stderr
+
+
+def test_job_files_in_the_encodings_and_sizes_kubectl_reads(tmp_path):
+    """kubectl reads UTF-16 with a byte order mark (LE or BE) and UTF-8 with or without
+    one, and refuses UTF-16 without one; a file over the size posttrain reads is one line
+    naming the file, its size and the limit."""
+    text = _job_yaml()
+    files = {
+        "utf16le-bom.yaml": b"\xff\xfe" + text.encode("utf-16-le"),
+        "utf16be-bom.yaml": b"\xfe\xff" + text.encode("utf-16-be"),
+        "utf8-bom.yaml": b"\xef\xbb\xbf" + text.encode(),
+        "utf16be.yaml": text.encode("utf-16-be"),
+        "huge.yaml": text.encode() + b"#" * (1536 * 1024),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    r = posttrain("validate", *(str(tmp_path / n) for n in files))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    valid = [
+        f"{tmp_path / n}: valid" for n in ("utf16le-bom.yaml", "utf16be-bom.yaml", "utf8-bom.yaml")
+    ]
+    assert r.stdout.splitlines() == valid, r.stdout
+    errors = [line for line in r.stderr.splitlines() if ": warning: " not in line]
+    assert errors == [
+        f"{tmp_path / 'utf16be.yaml'}: (encoding): UTF-16 text without a byte order mark, "
+        "which kubectl refuses too: save the file as UTF-8 (or as UTF-16 with a BOM)",
+        f"{tmp_path / 'huge.yaml'}: (file size): the file is 1.50 MiB "
+        f"({len(files['huge.yaml'])} bytes), over the 1048576 bytes (1 MiB) posttrain reads of "
+        "a job file: a job's whole spec must fit in the 240 KiB of its JobSet's config annotation",
+    ], r.stderr
 
 
 def test_bad_flags_get_one_line(tmp_path):

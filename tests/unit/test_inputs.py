@@ -1,6 +1,7 @@
 """The pure checks behind validation: YAML documents, user regexes, locations,
 Kubernetes values and the batch split."""
 
+import re
 from decimal import Decimal
 
 import pytest
@@ -14,11 +15,12 @@ from posttrain.api.documents import DocumentError, parse_documents
 @pytest.mark.parametrize(
     "data,message",
     [
-        ("a: 1\n".encode("utf-16"), "UTF-16"),
+        ("a: 1\n".encode("utf-16-le"), "UTF-16 text without a byte order mark"),
+        ("a: 1\n".encode("utf-16-be"), "UTF-16 text without a byte order mark"),
         (b"[" * 100_000, "nest"),
         (b"{a: " * 1000, "nested deeper than 64"),
         (b"a: [unclosed\n", "did not find expected"),
-        (b"a: 1\n" + b"#" * documents.MAX_BYTES, "larger than 1024 KiB"),
+        (b"a: 1\n" + b"#" * documents.MAX_BYTES, r"the file is 1\.00 MiB \(1048581 bytes\), over"),
         (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
          b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
          b"e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 100000 values"),
@@ -28,6 +30,37 @@ from posttrain.api.documents import DocumentError, parse_documents
 def test_documents_refused_with_a_reason(data, message):
     with pytest.raises(DocumentError, match=message):
         parse_documents(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        "a: caf\xe9 \U0001f600\n".encode("utf-16"),  # Python writes its native order's BOM
+        b"\xff\xfe" + "a: caf\xe9 \U0001f600\n".encode("utf-16-le"),
+        b"\xfe\xff" + "a: caf\xe9 \U0001f600\n".encode("utf-16-be"),
+        b"\xef\xbb\xbf" + "a: caf\xe9 \U0001f600\n".encode(),
+    ],
+)
+def test_documents_with_a_byte_order_mark_read_as_kubectl_reads_them(data):
+    """cli-runtime's FileVisitor decodes with BOMOverride(UTF-8): the BOM picks the
+    encoding and is dropped."""
+    assert parse_documents(data) == [{"a": "caf\xe9 \U0001f600"}]
+
+
+@pytest.mark.parametrize(
+    "data,field,message",
+    [
+        (b"spec:\n  image: !!binary '###'\n", "spec.image", "line 2, column 10: !!binary"),
+        (b"a: [{b: " + b"[" * 70 + b"]" * 70 + b"}]\n", "a[0].b" + "[0]" * 61,
+         "line 1, column 70: nested deeper than 64 levels"),
+        (b"- {x: 1}\n- " + b"{k: " * 70 + b"1" + b"}" * 70 + b"\n", "[1]" + ".k" * 63,
+         "nested deeper than 64"),
+    ],
+)  # fmt: skip
+def test_document_limits_name_the_key_where_they_run_over(data, field, message):
+    with pytest.raises(DocumentError, match=re.escape(message)) as e:
+        parse_documents(data)
+    assert e.value.field == field
 
 
 def test_documents_read_as_kubectl_reads_them():
@@ -113,6 +146,16 @@ def test_large_documents_are_parsed_by_libyaml():
         (r".*\s*X", "one after another"),
         (".{0,500}.{0,500}x", "one after another"),
         (".*a.*a.*aX", "3 long repeats over (almost) any character"),
+        # alternatives under a repeat that split the text in many ways
+        ("(a|a)*X", "alternatives inside a repeated group"),  # 1.9 s on 24 characters
+        ("(a|ab)*c", "alternatives inside a repeated group"),
+        ("(a|aa)+$", "alternatives inside a repeated group"),
+        ("(ab|a|b)*c", "alternatives inside a repeated group"),
+        ("(foo|fo|o)*X", "alternatives inside a repeated group"),
+        (r"(\d|\d\d)+$", "alternatives inside a repeated group"),
+        ("((a|b)|a)*X", "alternatives inside a repeated group"),
+        ("(a|)*X", "alternatives inside a repeated group"),
+        ("(x|xy|y){2,50}z", "alternatives inside a repeated group"),
     ],
 )
 def test_dangerous_regexes_refused(pattern, problem):
@@ -125,10 +168,34 @@ def test_dangerous_regexes_refused(pattern, problem):
     "pattern",
     ["q_proj", r"(.*/)?(q_proj|v_proj)", r"layers/\d+/attn/q_proj", r"<answer>\s*\d+</answer>",
      r"(ab{2})+", "a{2,1000}", r"^<think>.*</think>\s*<answer>.*</answer>$", r"\S+\s+\S+",
-     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>"],
+     r"\d+\D+", r"(\w+)\s+(\w+)", r"[^<]*<[^>]*>", "(?:yes|no)+", "(cat|dog)+",
+     r"(<b>|<i>)*x"],
 )  # fmt: skip
 def test_ordinary_regexes_accepted(pattern):
     assert patterns.regex_error(pattern) is None
+
+
+# Forms that take exponential time in backtracking engines, which Python's parser makes
+# single-character classes or splits no other way: accepted, and they finish.
+@pytest.mark.parametrize(
+    "pattern,text",
+    [(r"(\w|\d)+$", "1" * 5000 + "!"), (r"(.|\n)*X", "a\n" * 2500), (r"(a|\w)*X", "a" * 5000),
+     (r"(\s|\S)*X", "a " * 2500), ("(cat|dog)+X", "cat" * 2000)],
+)  # fmt: skip
+def test_alternatives_python_reads_as_one_class_are_accepted_and_finish(pattern, text):
+    import signal
+
+    def hung(*_):
+        raise AssertionError(f"{pattern} did not finish in 10 s")
+
+    assert patterns.regex_error(pattern) is None
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)  # a guard against a hang (sre checks signals), not a timing
+    try:
+        assert patterns.compile_user_regex(pattern, "f").search(text) is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -- locations --------------------------------------------------------------------------

@@ -939,3 +939,163 @@ def test_a_missing_priority_class_outside_kueue_keeps_the_job_pending_with_why()
     assert missing_priority_class(js, {"urgent"}) is None
     assert missing_priority_class(js, None) is None  # not known
     assert missing_priority_class(classed(pc="urgent"), {"low"}) is None  # Kueue's case
+
+
+# -- the API server refusing a JobSet's Jobs (the JobSet controller's Events) ---------
+
+QUOTA = (
+    'job "j-slice-0" creation failed with error: jobs.batch "j-slice-0" is forbidden: '
+    "exceeded quota: jobs, requested: count/jobs.batch=1, used: count/jobs.batch=0, "
+    "limited: count/jobs.batch=0"
+)
+POLICY = (
+    'job "j-slice-0" creation failed with error: jobs.batch "j-slice-0" is forbidden: '
+    "ValidatingAdmissionPolicy 'deadline' with binding 'deadline' denied request: "
+    "Jobs need spec.activeDeadlineSeconds"
+)
+INVALID = (
+    'job "j-slice-0" creation failed with error: Job.batch "j-slice-0" is invalid: '
+    'spec.template.spec.containers[0].env[0].valueFrom.secretKeyRef.key: Invalid value: "..": '
+    "must be a valid config key"
+)
+WEBHOOK = (
+    'job "j-slice-0" creation failed with error: admission webhook "jobs.policy.example" '
+    "denied the request: no Jobs on Sundays"
+)
+TIMEOUT = (
+    'job "j-slice-0" creation failed with error: Timeout: request did not complete within '
+    "requested timeout - context deadline exceeded"
+)
+
+
+def refusal(message, uid="u1", seen="2026-01-01T00:00:00Z", kind="JobSet"):
+    return {
+        "metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"},
+        "involvedObject": {"kind": kind, "name": "j", "uid": uid},
+        "reason": "JobCreationFailed",
+        "message": message,
+        "lastTimestamp": seen,
+    }
+
+
+def made(uid="u1", replicas=1):
+    js = jobset(replicas=replicas)
+    js["metadata"]["uid"] = uid
+    return js
+
+
+@pytest.mark.parametrize(
+    "case,message,final",
+    [
+        ("a ResourceQuota on Jobs", QUOTA, False),
+        ("a ValidatingAdmissionPolicy", POLICY, True),
+        ("an invalid Job (422)", INVALID, True),
+        ("a webhook's denial", WEBHOOK, False),
+        ("a timeout", TIMEOUT, False),
+    ],
+)
+def test_a_refused_job_fails_the_job_or_keeps_it_waiting_in_the_api_servers_words(
+    case, message, final
+):
+    from posttrain.controller.phase import job_refusal, refusal_event
+
+    js = made()
+    cause = job_refusal(js, [refusal_event(refusal(message))], 0)
+    error = message.split("creation failed with error: ", 1)[1]
+    assert cause is not None and cause.reason == "JobCreationFailed" and cause.final == final
+    assert cause.message.endswith(error) and "Job j-slice-0" in cause.message
+    p = status_patch(js, SPEC, {}, "t", 1, [], None, cause)
+    conditions = {c["type"]: c for c in p["conditions"]}
+    if final:
+        assert p["phase"] == "Failed" and conditions["Failed"]["reason"] == "JobCreationFailed"
+    else:
+        assert p["phase"] == "Pending" and conditions["Running"]["reason"] == "JobCreationFailed"
+        assert "retries" in p["message"]
+    assert conditions["Failed" if final else "Running"]["message"].endswith(error)
+
+
+def test_a_refusal_counts_only_while_its_jobsets_jobs_are_missing():
+    from posttrain.controller.phase import job_refusal, refusal_event
+
+    js = made(replicas=2)
+    old, new = (
+        refusal(QUOTA, seen="2026-01-01T00:00:00Z"),
+        refusal(POLICY, seen="2026-01-01T00:05:00Z"),
+    )
+    events = [refusal_event(new), refusal_event(old)]
+    assert job_refusal(js, events, 1).final  # the latest Event: the policy's
+    assert job_refusal(js, events, 2) is None  # every Job made (the quota was raised)
+    assert job_refusal(js, [refusal_event(refusal(POLICY, uid="earlier"))], 0) is None
+    assert job_refusal(None, events, 0) is None
+    assert refusal_event(refusal(QUOTA, kind="Job")) is None
+    assert refusal_event({**refusal(QUOTA), "reason": "SuccessfulCreate"}) is None
+    # A restart's Job that waits for the one of the attempt before: no refusal.
+    again = 'job "j-slice-0" creation failed with error: jobs.batch "j-slice-0" already exists'
+    assert job_refusal(js, [refusal_event(refusal(again, seen="2026-01-02T00:00:00Z"))], 0) is None
+    # Several Jobs refused at once: the first, and how many more.
+    two = QUOTA + "\n" + QUOTA.replace("j-slice-0", "j-slice-1")
+    cause = job_refusal(js, [refusal_event(refusal(two))], 0)
+    assert "(and 1 more Jobs)" in cause.message and "\n" not in cause.message
+    # A Running JobSet whose Jobs were all made is not held back by an old Event.
+    running = made()
+    running["status"]["replicatedJobsStatus"][0]["ready"] = 1
+    assert phase_from(running, False, [], None, job_refusal(running, events, 1)).phase == "Running"
+
+
+def test_an_events_api_refusal_is_read_from_its_series():
+    """Events the JobSet controller posts through events.k8s.io/v1 have no lastTimestamp:
+    their time is the series' last observation (or eventTime)."""
+    from posttrain.controller.phase import refusal_event
+
+    event = refusal(QUOTA)
+    del event["lastTimestamp"]
+    event["eventTime"] = "2026-01-01T00:00:01.000000Z"
+    event["series"] = {"count": 4, "lastObservedTime": "2026-01-01T00:09:00.123456Z"}
+    assert refusal_event(event) == ("u1", "2026-01-01T00:09:00", QUOTA)
+
+
+POD_QUOTA = (
+    'Error creating: pods "j-slice-0-0-abcde" is forbidden: exceeded quota: tpu, requested: '
+    "google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0"
+)
+LIMIT_RANGE = (
+    'Error creating: pods "j-slice-0-0-abcde" is forbidden: maximum memory usage per '
+    "Container is 1Gi, but limit is 64Gi"
+)
+
+
+def pod_refused(message, uid="job1", seen="2026-01-01T00:00:00Z"):
+    """The Job controller's FailedCreate Event as events.k8s.io/v1 shows it."""
+    return {
+        "metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"},
+        "regarding": {"kind": "Job", "name": "j-slice-0", "uid": uid},
+        "reason": "FailedCreate",
+        "note": message,
+        "deprecatedLastTimestamp": seen,
+    }
+
+
+@pytest.mark.parametrize("message,final", [(POD_QUOTA, False), (LIMIT_RANGE, True)])
+def test_refused_pods_fail_the_job_or_keep_it_waiting_in_the_api_servers_words(message, final):
+    from posttrain.controller.phase import pod_refusal, refusal_event
+
+    js = made(replicas=1)
+    js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] = 2
+    events = [refusal_event(pod_refused(message))]
+    cause = pod_refusal(js, events, ["job1"], 1)  # one of the two pods made
+    error = message.removeprefix("Error creating: ")
+    assert cause.reason == "PodCreationFailed" and cause.final == final
+    assert cause.message.endswith(error)
+    p = status_patch(js, SPEC, {}, "t", 1, [], None, cause)
+    assert p["phase"] == ("Failed" if final else "Pending"), p
+    assert pod_refusal(js, events, ["job1"], 2) is None  # every pod made
+    assert pod_refusal(js, events, ["job2"], 0) is None  # an Event of another Job
+    # A missing PriorityClass is said by missing_priority_class, naming the field.
+    no_class = 'Error creating: pods "p" is forbidden: no PriorityClass with name x was found'
+    assert not pod_refusal(js, [refusal_event(pod_refused(no_class))], ["job1"], 0).final
+    # JobSet's webhook holds a slice's other pods until its first is placed: no refusal.
+    placement = (
+        'Error creating: admission webhook "vpod.kb.io" denied the request: follower pod node '
+        "selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool"
+    )
+    assert pod_refusal(js, [refusal_event(pod_refused(placement))], ["job1"], 1) is None

@@ -40,22 +40,24 @@ def test_demo_ends_with_what_to_do_next():
     assert "docs/user-guide.md" in ending
 
 
-def test_demo_shows_the_held_out_question_alone(tmp_path):
-    """The demo's summary: the question of a held-out sample (not the chat template's
-    system prompt), the dataset's answer beside the model's."""
+def _demo_summary(tmp_path, samples: list[tuple[int, str]]) -> str:
+    """What the demo prints after a run whose last evaluation generated `samples`
+    ((row of the dataset, completion))."""
     script = DEMO[DEMO.index("python - <<'PY'\n") + len("python - <<'PY'\n") : DEMO.index("\nPY\n")]
     rows = (ROOT / "examples" / "data" / "chat-sft.jsonl").read_text().splitlines()
-    row = json.loads(rows[3])
-    question = row["messages"][-2]["content"]
-    prompt = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n"
-        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-    )
-    sample = {"prompt": prompt, "completion": " Answer: 45."}
+
+    def prompt(i: int) -> str:
+        question = json.loads(rows[i])["messages"][-2]["content"]
+        return (
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n"
+            f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
     history = [
         {"step": 0, "metrics": {"loss": 3.0, "perplexity": 20.0}},
-        {"step": 24, "metrics": {"loss": 1.5, "perplexity": 4.5}, "samples": [sample]},
-    ]
+        {"step": 24, "metrics": {"loss": 1.5, "perplexity": 4.5},
+         "samples": [{"prompt": prompt(i), "completion": c} for i, c in samples]},
+    ]  # fmt: skip
     run = tmp_path / "runs" / "sft-lora-smollm2"
     run.mkdir(parents=True)
     (run / "eval.json").write_text(json.dumps(history))
@@ -65,9 +67,27 @@ def test_demo_shows_the_held_out_question_alone(tmp_path):
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout
     assert "held-out loss 3.000 (step 0) -> 1.500 (step 24)" in out
-    assert f"a held-out question: {question}\n" in out
-    assert row["messages"][-1]["content"] in out and "Answer: 45." in out
     assert "system" not in out and "<|im_start|>" not in out
+    return out
+
+
+def test_demo_shows_held_out_questions_the_model_answers_right(tmp_path):
+    """The demo's showcase: how many held-out questions the trained model answers right,
+    and those it does (the question alone, not the chat template's system prompt); a
+    wrong answer is never shown as the showcase."""
+    rows = (ROOT / "examples" / "data" / "chat-sft.jsonl").read_text().splitlines()
+    question = [json.loads(r)["messages"][-2]["content"] for r in rows]
+    # rows 3 and 4: "11 * 4 = ?" -> "Answer: 44.", "Which colour is chocolate?" -> "Answer: brown."
+    out = _demo_summary(tmp_path, [(3, " Answer: 45."), (4, " answer: Brown")])
+    assert "held-out questions the trained model answers right (greedy, step 24): 1 of 2\n" in out
+    assert f"  {question[4]}  ->  answer: Brown\n" in out
+    assert "45" not in out and question[3] not in out
+
+
+def test_demo_says_so_when_no_answer_is_right(tmp_path):
+    out = _demo_summary(tmp_path, [(3, " Answer: 45.")])
+    assert "answers right (greedy, step 24): 0 of 1\n" in out
+    assert "->  Answer: 45.  (the dataset's answer: Answer: 44.)" in out
 
 
 def test_install_prints_no_deprecation_boxes():

@@ -123,3 +123,67 @@ def test_an_indexed_job_keeps_its_spec_and_status_for_the_event_handler():
         "labels",
         "ownerReferences",
     }
+
+
+def test_a_jobsets_refusal_events_make_it_blocked_until_its_jobs_are_made():
+    """The JobSet controller's JobCreationFailed Events are indexed by JobSet name; with
+    fewer Jobs than the JobSet asks for, the latest one is why the job waits or fails."""
+    message = (
+        'job "tune-node-0" creation failed with error: jobs.batch "tune-node-0" is forbidden: '
+        "exceeded quota: jobs, requested: count/jobs.batch=1, used: count/jobs.batch=0, "
+        "limited: count/jobs.batch=0"
+    )
+    raw = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": "tune.1", "namespace": "team", "managedFields": [{}]},
+        "involvedObject": {"kind": "JobSet", "name": "tune", "uid": "js1"},
+        "reason": "JobCreationFailed",
+        "message": message,
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+        "source": {"component": "jobset"},
+    }
+    index = asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(raw)))
+    assert set(raw) == {"apiVersion", "kind", "metadata", "involvedObject"}  # kopf's copy
+    jobset = {
+        "metadata": {"name": "tune", "uid": "js1"},
+        "spec": {"replicatedJobs": [{"name": "node", "replicas": 1}]},
+        "status": {},
+    }
+    indexes = {"refusal_index": {k: [v] for k, v in index.items()}, "batch_job_index": {}}
+    cause = watches.blocked(indexes, "team", jobset)
+    assert cause.reason == "JobCreationFailed" and not cause.final
+    assert cause.message.endswith("limited: count/jobs.batch=0")
+    indexes["batch_job_index"] = {("team", "tune"): [("job1", "js1")]}  # its Job is made
+    assert watches.blocked(indexes, "team", jobset) is None
+    other = {"involvedObject": {"kind": "Pod", "name": "p"}, "reason": "JobCreationFailed"}
+    assert asyncio.run(watches.refusal_index(namespace="team", body=kopf.Body(other))) == {}
+
+
+def test_a_jobs_refused_pods_block_its_job_until_they_are_made():
+    raw = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": "tune-node-0.1", "namespace": "team"},
+        "regarding": {"kind": "Job", "name": "tune-node-0", "uid": "job1"},
+        "reason": "FailedCreate",
+        "note": 'Error creating: pods "tune-node-0-0-x" is forbidden: exceeded quota: q, '
+        "requested: pods=1, used: pods=0, limited: pods=0",
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+    }
+    index = asyncio.run(watches.pod_refusal_index(namespace="team", body=kopf.Body(raw)))
+    assert set(raw) == {"apiVersion", "kind", "metadata", "regarding"}
+    jobset = {
+        "metadata": {"name": "tune", "uid": "js1"},
+        "spec": {"replicatedJobs": [{"name": "node", "replicas": 1}]},
+        "status": {},
+    }
+    indexes = {
+        "pod_refusal_index": {k: [v] for k, v in index.items()},
+        "batch_job_index": {("team", "tune"): [("job1", "js1")]},
+    }
+    cause = watches.blocked(indexes, "team", jobset, pods_made=0)
+    assert cause.reason == "PodCreationFailed" and "limited: pods=0" in cause.message
+    assert watches.blocked(indexes, "team", jobset, pods_made=1) is None
+    indexes["batch_job_index"] = {("team", "tune"): [("job1", "another-jobset")]}
+    assert watches.blocked(indexes, "team", jobset, pods_made=0) is None

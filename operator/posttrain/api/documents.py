@@ -10,6 +10,11 @@ applies where it stands, later keys winning; a duplicate key keeps its last valu
 fraction is an integer (`8.0` is 8), bytes that are not UTF-8 are U+FFFD, and a null
 value in a mapping is no value (the API server prunes it from an object's fields).
 
+Bytes are decoded as kubectl decodes a file (cli-runtime's FileVisitor: x/text's
+BOMOverride over a UTF-8 decoder): a UTF-8, UTF-16LE or UTF-16BE byte order mark selects
+that encoding and is dropped; without one the bytes are UTF-8, so UTF-16 without a BOM
+(NUL bytes between the characters) is refused, as kubectl refuses it.
+
 Before anything is built, the file's size, nesting depth and node count (aliases
 expanded, so "billion laughs" documents stop early, naming the key where they do) are
 checked. Errors name the line and column; the caller names the file.
@@ -20,13 +25,17 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-MAX_BYTES = 1024 * 1024  # the API server refuses larger requests of this kind anyway
+# posttrain reads no larger job file: a job's whole spec must fit in the 240 KiB of its
+# JobSet's config annotation (render.trainer_config), and the API server stores no
+# object over etcd's 1.5 MiB request limit.
+MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 64
 MAX_NODES = 100_000
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -44,6 +53,7 @@ class DocumentError(ValueError):
 BOOL_TAG, NULL_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"
 INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 STR_TAG = "tag:yaml.org,2002:str"
+BINARY_TAG = "tag:yaml.org,2002:binary"
 # go-yaml v2's resolve table (resolve.go).
 _TRUE = {"y", "Y", "yes", "Yes", "YES", "true", "True", "TRUE", "on", "On", "ON"}
 _FALSE = {"n", "N", "no", "No", "NO", "false", "False", "FALSE", "off", "Off", "OFF"}
@@ -187,17 +197,46 @@ def as_sent(value: Any) -> Any:
 
 
 def _check_events(text: str) -> None:
-    """Depth from the event stream (iterative in C: no recursion on hostile input)."""
+    """Depth from the event stream (iterative in C: no recursion on hostile input),
+    naming the key where the nesting runs over."""
     loader = _Loader(text)
-    depth = 0
+    # One frame per open collection: its path, and for a mapping the key last read and
+    # whether the next node is a key; for a sequence the index of the last item.
+    frames: list[dict[str, Any]] = []
+
+    def place(event: yaml.Event) -> str:
+        """The path of the node `event` starts, advancing its parent's frame."""
+        if not frames:
+            return ""
+        top = frames[-1]
+        if top["map"]:
+            if top["expect_key"]:
+                top["key"] = event.value if isinstance(event, yaml.ScalarEvent) else "?"
+                top["expect_key"] = False
+                return top["path"]
+            top["expect_key"] = True
+            return f"{top['path']}.{top['key']}" if top["path"] else str(top["key"])
+        top["index"] += 1
+        return f"{top['path']}[{top['index']}]"
+
     try:
         while (event := loader.get_event()) is not None:
             if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise DocumentError(f"nested deeper than {MAX_DEPTH} levels")
+                path = place(event)
+                if len(frames) >= MAX_DEPTH:
+                    mark = event.start_mark
+                    raise DocumentError(
+                        f"line {mark.line + 1}, column {mark.column + 1}: nested deeper than "
+                        f"{MAX_DEPTH} levels",
+                        path or "(yaml)",
+                    )
+                is_map = isinstance(event, yaml.MappingStartEvent)
+                frames.append({"path": path, "map": is_map, "expect_key": True, "key": None,
+                               "index": -1})  # fmt: skip
             elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+                frames.pop()
+            elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+                place(event)
     finally:
         loader.dispose()
 
@@ -212,6 +251,15 @@ def _check_size(node: yaml.Node) -> None:
             raise DocumentError(
                 f"more than {MAX_NODES} values (with aliases expanded)", path or "(yaml)"
             )
+        if node.tag == BINARY_TAG and isinstance(node, yaml.ScalarNode):
+            try:
+                base64.b64decode("".join(node.value.split()), validate=True)
+            except (binascii.Error, ValueError):
+                mark = node.start_mark
+                raise DocumentError(
+                    f"line {mark.line + 1}, column {mark.column + 1}: !!binary that is not base64",
+                    path or "(yaml)",
+                ) from None
         if isinstance(node, yaml.SequenceNode):
             stack.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
         elif isinstance(node, yaml.MappingNode):
@@ -234,14 +282,36 @@ def _yaml_error(e: yaml.YAMLError) -> str:
     return " ".join(str(e).replace('"<unicode string>"', "the file").split())
 
 
+def too_large(size: int) -> DocumentError:
+    return DocumentError(
+        f"the file is {size / 2**20:.2f} MiB ({size} bytes), over the {MAX_BYTES} bytes "
+        "(1 MiB) posttrain reads of a job file: a job's whole spec must fit in the 240 KiB "
+        "of its JobSet's config annotation",
+        "(file size)",
+    )
+
+
+def decode(data: bytes) -> str:
+    """The text of a file's bytes as kubectl reads them (see the module's docstring); bytes
+    that are not valid in the encoding are U+FFFD, as kubectl's decoders make them."""
+    for bom, codec in ((b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be")):
+        if data.startswith(bom):
+            return data[2:].decode(codec, errors="replace")
+    if b"\x00" in data[:2] and not data.startswith(b"\xef\xbb\xbf"):
+        raise DocumentError(
+            "UTF-16 text without a byte order mark, which kubectl refuses too: save the file "
+            "as UTF-8 (or as UTF-16 with a BOM)",
+            "(encoding)",
+        )
+    # kubectl sends bytes that are not UTF-8 as U+FFFD (its JSON encoder replaces them).
+    return data.decode("utf-8", errors="replace").removeprefix("\ufeff")
+
+
 def parse_documents(data: bytes) -> list[Any]:
     """Every non-empty YAML document in `data`; DocumentError says what is wrong."""
     if len(data) > MAX_BYTES:
-        raise DocumentError(f"larger than {MAX_BYTES // 1024} KiB")
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        raise DocumentError("UTF-16 text: save the file as UTF-8")
-    # kubectl sends bytes that are not UTF-8 as U+FFFD (its JSON encoder replaces them).
-    text = data.decode("utf-8", errors="replace").removeprefix("\ufeff")
+        raise too_large(len(data))
+    text = decode(data)
     try:
         _check_events(text)
         loader = _Loader(text)
@@ -264,4 +334,7 @@ def read_documents(path: str | Path) -> list[Any]:
     """parse_documents of a file (OSError when it cannot be read)."""
     with open(path, "rb") as f:
         data = f.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            size = os.fstat(f.fileno()).st_size
+            raise too_large(max(size, len(data)))
     return parse_documents(data)

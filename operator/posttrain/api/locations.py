@@ -141,6 +141,13 @@ def mount_path_error(path: str) -> str | None:
     clean = normpath(path)
     if clean == "/":
         return "cannot be / (a volume mounted over the container's root)"
+    if clean == "/tmp":
+        # Two volumes at one path make the Job invalid, which only the JobSet's Events
+        # would say: a3-highgpu (TCPX) trainers mount the daemon's sockets at /tmp.
+        return (
+            "cannot be /tmp (H100 jobs mount their network daemon's sockets there); "
+            "mount it at a directory of its own, such as /outputs"
+        )
     for reserved in RESERVED_DIRS:
         if clean == reserved or clean.startswith(reserved + "/"):
             return f"cannot be under {reserved} (a directory the container needs)"

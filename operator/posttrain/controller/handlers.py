@@ -9,6 +9,9 @@ holds the leader Lease (`Queue`).
   again after the watch was lost); jobs whose JobSet is not made yet go first.
 - JobSet, Job, pod and Kueue Workload events: the job they belong to (by the job-name label;
   the reconcile checks ownership by UID).
+- The JobSet controller's JobCreationFailed Events and the Job controller's FailedCreate
+  Events (the only Events streamed): the job of the JobSet they are about (a JobSet is
+  named as its job), or of the Job (found by UID among the jobs' Jobs).
 
 No timer, no finalizer (the job's objects carry owner references: the garbage collector
 deletes them with the job), no kopf progress or diff-base annotations on the job (only
@@ -128,3 +131,22 @@ async def on_workload_event(namespace: str, body: kopf.Body, **kwargs: Any) -> N
     for owner in body["metadata"].get("ownerReferences") or []:
         if owner.get("kind") == "JobSet":
             Queue.add((namespace, owner["name"]), kwargs)
+
+
+@kopf.on.event("v1", "events")
+async def on_refusal_event(namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    involved = body.get("involvedObject") or {}
+    if involved.get("kind") == "JobSet" and involved.get("name"):
+        Queue.add((namespace, involved["name"]), kwargs)
+
+
+@kopf.on.event("events.k8s.io", "v1", "events")
+async def on_pod_refusal_event(namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    regarding = body.get("regarding") or {}
+    uid = regarding.get("uid")
+    if regarding.get("kind") != "Job" or not uid:
+        return
+    for key, jobs in list((kwargs.get("batch_job_index") or {}).items()):
+        if key[0] == namespace and any(job == uid for job, _ in jobs):
+            Queue.add(key, kwargs)
+            return

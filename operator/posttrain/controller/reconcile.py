@@ -105,11 +105,12 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
     if mine is not None and uid not in kube.owner_uids(mine):
         Written.jobsets.pop(key, None)  # of an earlier job of this name
     jobset = Written.newest(Written.jobsets, key, jobset)
+    pods = tuple(watches.pods(indexes, namespace, name, jobset))
     observed = Observed(
         jobset=jobset,
-        pods=tuple(watches.pods(indexes, namespace, name, jobset)),
+        pods=pods,
         workload=watches.workload(indexes, namespace, jobset),
-        blocked=watches.blocked(indexes, jobset),
+        blocked=watches.blocked(indexes, namespace, jobset, len(pods)),
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed

@@ -12,6 +12,12 @@ reads instead of the API server.
   JobSet count (`phase.owned_pods`), not any pod that carries the label;
 - a summary of each Kueue Workload (`phase.workload_state`) by (namespace, JobSet name):
   only Workloads of jobs (Kueue's job-uid label) are streamed, only those of JobSets kept;
+- the JobSet controller's JobCreationFailed Events (`phase.refusal_event`) by (namespace,
+  JobSet name), and the Job controller's FailedCreate Events of Jobs by (namespace, Job
+  UID): only those Events are streamed (server-side field selectors, one on core/v1 and
+  one on events.k8s.io/v1, the same Events seen through two APIs); the API server
+  refusing a Job or a pod (invalid, forbidden by a policy, over a quota) says so nowhere
+  else (`phase.job_refusal`, `phase.pod_refusal`);
 - the names of the WorkloadPriorityClasses and PriorityClasses that exist (few, cluster
   scoped): while the class a queued JobSet names is missing, Kueue makes no Workload and
   says so only in its log (`phase.without_workload`);
@@ -51,6 +57,10 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # on every Workload Kueue makes 
 # On each JobSet: the job's spec.scheduling fields it was made or last patched from.
 SCHEDULING_ANNOTATION = "posttrain.dev/scheduling"
 Key = tuple[str, str]
+# The only Events streamed: the JobSet controller's, when a Job is refused.
+REFUSAL_EVENTS = f"involvedObject.kind=JobSet,reason={phase.JOB_CREATION_FAILED}"
+# ... and the Job controller's, when a pod is refused (events.k8s.io/v1's field names).
+POD_REFUSAL_EVENTS = "regarding.kind=Job,reason=FailedCreate"
 
 
 def selectors(settings: kopf.OperatorSettings) -> None:
@@ -62,6 +72,8 @@ def selectors(settings: kopf.OperatorSettings) -> None:
     settings.watching.label_selectors[(KUEUE_GROUP, KUEUE_VERSION, "workloads")] = (
         KUEUE_JOB_UID_LABEL
     )
+    settings.watching.field_selectors[("v1", "events")] = REFUSAL_EVENTS
+    settings.watching.field_selectors[("events.k8s.io", "v1", "events")] = POD_REFUSAL_EVENTS
 
 
 def jobset_owned(body: kopf.Body, **_: Any) -> bool:
@@ -204,6 +216,21 @@ async def workload_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key,
     return {(namespace, owner["name"]): (owner.get("uid"), state)}
 
 
+@kopf.index("v1", "events")
+async def refusal_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    refusal = phase.refusal_event(dict(body))
+    name = (body.get("involvedObject") or {}).get("name")
+    shed(body, "involvedObject")
+    return {(namespace, name): refusal} if refusal and name else {}
+
+
+@kopf.index("events.k8s.io", "v1", "events")
+async def pod_refusal_index(namespace: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    refusal = phase.refusal_event(dict(body))
+    shed(body, "regarding")
+    return {(namespace, refusal[0]): refusal} if refusal and refusal[0] else {}
+
+
 @kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloadpriorityclasses")
 async def workload_priority_class_index(name: str, **_: Any) -> dict[str, str]:
     return {"names": name}
@@ -281,9 +308,29 @@ def workload(
     )
 
 
-def blocked(indexes: dict[str, Any], jobset_body: dict[str, Any] | None) -> phase.Cause | None:
-    """Why the JobSet's Jobs can make no pod, as far as the indexes know."""
-    return phase.missing_priority_class(jobset_body, _names(indexes, "priority_class_index"))
+def blocked(
+    indexes: dict[str, Any],
+    namespace: str,
+    jobset_body: dict[str, Any] | None,
+    pods_made: int = 0,
+) -> phase.Cause | None:
+    """Why the JobSet's Jobs are not made, or make no pod, as far as the indexes know.
+    (A JobSet has its job's name: the Jobs' index and the Events' share the key.)"""
+    if jobset_body is None:
+        return None
+    key = (namespace, jobset_body["metadata"]["name"])
+    uid = jobset_body["metadata"].get("uid")
+    jobs = [job for job, owner in _values(indexes.get("batch_job_index"), key) if owner == uid]
+    pod_refusals = [
+        refusal
+        for job in jobs
+        for refusal in _values(indexes.get("pod_refusal_index"), (namespace, job))
+    ]
+    return (
+        phase.job_refusal(jobset_body, _values(indexes.get("refusal_index"), key), len(jobs))
+        or phase.missing_priority_class(jobset_body, _names(indexes, "priority_class_index"))
+        or phase.pod_refusal(jobset_body, pod_refusals, jobs, pods_made)
+    )
 
 
 class QueuePositions:

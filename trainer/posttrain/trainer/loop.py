@@ -76,33 +76,87 @@ class Interrupted(BaseException):
 
 
 class StopFlag:
-    """SIGTERM/SIGINT. Before the first training step (`training` not yet called) a signal
-    raises Interrupted at once; once steps run it is set: finish the step, checkpoint,
-    exit. A second signal then exits at once, without that checkpoint."""
+    """SIGTERM/SIGINT. Before the first training step has been compiled and dispatched
+    (`training` not yet called) a signal raises Interrupted at once; once steps run it is set: finish the step, checkpoint,
+    exit. A second signal then exits at once, without that checkpoint.
+
+    Python runs a signal's handler only between bytecodes of the main thread, so not while
+    that thread is inside one long C call, such as XLA compiling the first step (a minute
+    or more for a large model on CPU). A thread reading the signal wakeup fd (written by
+    the C-level handler, whatever the main thread does) says at once what the signal will
+    do, and exits at once on a second one."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.stepping = False
+        self.signals = 0  # seen by the watcher since the mode last changed
+        self.watching = False
+        self.raised = threading.Event()  # the handler raised Interrupted
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            os.close(read)
+            os.close(write)
+            return
+        self.watching = True
+        threading.Thread(target=self._watch, args=(read,), name="signals", daemon=True).start()
 
     def training(self) -> None:
         """Steps start now: from here a signal checkpoints after the step."""
         self.stepping = True
+        self.signals = 0
+
+    def _watch(self, read: int) -> None:
+        stop = {int(signal.SIGTERM), int(signal.SIGINT)}
+        while chunk := os.read(read, 64):
+            for signum in (s for s in chunk if s in stop):
+                self.signals += 1
+                name = signal.Signals(signum).name
+                if self.signals > 1:
+                    self._exit_now(signum)
+                elif self.stepping:
+                    log.warning(
+                        "received %s: checkpointing after this step (again to exit at once)",
+                        name,
+                    )
+                elif not self.raised.wait(0.5):  # else the run is ending and says so
+                    log.warning(
+                        "received %s before the first step: stopping once the work in progress "
+                        "(loading, an XLA compile) returns, saving nothing (again to exit at "
+                        "once)",
+                        name,
+                    )
+
+    def _exit_now(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.stepping:
+            log.warning("received %s again: exiting now, without that checkpoint", name)
+        else:
+            log.warning("received %s again: exiting now; nothing saved", name)
+        logging.shutdown()
+        os._exit(128 + signum)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
         if not self.stepping:
+            self.raised.set()
             raise Interrupted(signum)
+        if self.watching:  # the watcher says so, and exits on a second one
+            self.event.set()
+            return
         if self.event.is_set():
-            log.warning("received %s again: exiting now, without that checkpoint", name)
-            logging.shutdown()
-            os._exit(128 + signum)
-        log.warning("received %s: checkpointing after this step (again to exit at once)", name)
+            self._exit_now(signum)
+        log.warning(
+            "received %s: checkpointing after this step (again to exit at once)",
+            signal.Signals(signum).name,
+        )
         self.event.set()
 
     def __bool__(self) -> bool:
@@ -372,8 +426,6 @@ def run_steps(
             result.evals[0] = evaluation.evaluate(0, progress)  # where the curve starts
             clock.charge("eval")
         loss: Any = None
-        if isinstance(stop, StopFlag):
-            stop.training()
         if result.step < total:
             progress.phase(f"compiling and running step {result.step + 1}")
         while result.step < total and not stop:
@@ -382,6 +434,10 @@ def run_steps(
             out = dict(step(host_batch, result.step))
             loss = out.pop("loss")
             result.step += 1
+            if isinstance(stop, StopFlag) and not stop.stepping:
+                # The first step is compiled and dispatched: from here a signal checkpoints
+                # after the step (before, during the compile, it stops saving nothing).
+                stop.training()
             window_tokens += int(out.pop("tokens", 0))
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
             if log_now:

@@ -11,14 +11,20 @@ conditions, restarts, times). It never touches `progress`, which the trainer wri
 Running means the trainer runs: every pod of the leader slice (the first replicated job,
 index 0) has all its containers running. Until then the job is Pending (Restarting after
 a restart) with the reason it waits, from the real sources: Kueue's Workload conditions,
-the scheduler's PodScheduled condition, the kubelet's container states.
+the scheduler's PodScheduled condition, the kubelet's container states, the JobSet
+controller's Events when the API server refuses its Jobs (failed when that is final).
 """
 
 from __future__ import annotations
 
 from posttrain.controller.phase.jobset import (
+    JOB_CREATION_FAILED,
+    job_refusal,
     missing_priority_class,
     phase_from,
+    pod_refusal,
+    refusal_event,
+    refusal_is_final,
 )
 from posttrain.controller.phase.kueue import (
     INACTIVE_CLUSTER_QUEUE,
@@ -67,6 +73,7 @@ __all__ = [
     "CONDITION_TYPES",
     "Cause",
     "INACTIVE_CLUSTER_QUEUE",
+    "JOB_CREATION_FAILED",
     "JOB_INDEX_LABEL",
     "MESSAGE_MAX",
     "Observation",
@@ -81,14 +88,18 @@ __all__ = [
     "cluster_queue_inactive",
     "conditions_for",
     "controller_uid",
+    "job_refusal",
     "missing_priority_class",
     "observation_patch",
     "one_line",
     "outputs_for",
     "owned_pods",
     "phase_from",
+    "pod_refusal",
     "pod_state",
     "queue_positions",
+    "refusal_event",
+    "refusal_is_final",
     "status_patch",
     "status_reason",
     "waits_in_queue",

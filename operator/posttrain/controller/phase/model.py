@@ -26,6 +26,8 @@ WARNINGS = {
     "Inadmissible",
     "Evicted",
     "PriorityClassNotFound",
+    "JobCreationFailed",
+    "PodCreationFailed",
 }
 
 
@@ -44,6 +46,7 @@ class Cause:
     reason: str
     message: str
     rank: int  # lower: more telling (a container OOMKilled beats a pod waiting for it)
+    final: bool = False  # no retry can fix it: the job fails with this cause
 
 
 @dataclass(frozen=True)
