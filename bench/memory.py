@@ -168,7 +168,8 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
     flags = REMAT_XLA_FLAGS if capacity.remat_of(spec) != "none" else ""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
-    key = json.dumps(_merge(doc, {"model": {"source": CASES[name][0]}}), sort_keys=True)
+    # the case as a key, its models by name (not by this run's temporary directory)
+    key = json.dumps(spec_doc(name, Path()), sort_keys=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "xla.json"
         if key in saved:  # --saved: XLA's figures of an earlier run of the same case

@@ -192,8 +192,15 @@ def test_estimate_is_within_a_quarter_of_xla(measured, name):
 
 @pytest.mark.parametrize("name", ACCUMULATED)
 def test_accumulation_keeps_one_micro_batch_in_memory(measured, name):
-    """gradientAccumulation 4 of the same micro-batch: XLA's peak is within 1.15x of one
-    micro-batch's (the Python loop the step had needed 2-4.4x)."""
+    """gradientAccumulation 4 of the same micro-batch (SFT, DPO, GRPO's learner,
+    distillation): XLA's peak is within 1.15x of one micro-batch's. The Python loop the
+    step had needed 2-4.4x; the scan, with XLA hoisting the weights' all-gathers out of
+    it, 1.21-1.29x on 4-8 devices. What accumulation must add is the float32 gradient sum
+    (the scan's carry: the trained weights' share of a device, in float32). These shapes
+    give gradients a larger share of the peak than real jobs do (3-10% of the estimate
+    here; 1-6% for the published shapes of bench/memory.py at accumulation 1, where
+    activations and logits dominate), so the bound is harder to meet here than at real
+    size. The losses and updates are the unrolled loop's, bitwise (test_accumulation.py)."""
     many, one = measured[name].xla, measured[ACCUMULATED[name]].xla
     assert many <= 1.15 * one, (name, many, one, many / one)
 
