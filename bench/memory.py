@@ -5,8 +5,13 @@ layer, its vocabulary), on a real accelerator's device count: the trainer's own 
 (posttrain.trainer.step_memory: spec.training's optimizer with clipping, its accumulation,
 remat, reference or teacher, LoRA) compiled ahead of time from abstract arrays on simulated
 CPU devices, one case per child process, and ``memory_analysis()`` of one device. It prints
-the estimate, XLA's figure and their ratio (goal: every ratio within 0.8-1.25), and the
-estimate's terms.
+the estimate, XLA's figure and their ratio (goal: every ratio within 0.8-1.25), the
+estimate's terms, and posttrain's admission verdict on the case's accelerator
+(posttrain.capacity.admission: refuse, warn or admit) against where XLA puts the case: a
+case XLA puts over the device's memory must be refused or warned, one it puts under 75% of
+it admitted without a warning. For each accumulation case it prints XLA's peak with
+accumulation 4 over the peak of the case with the same micro-batch and accumulation 1
+(goal: at most 1.15).
 
 One compile takes minutes (the models unroll their layers: compile time grows with depth);
 run it in the background:
@@ -88,6 +93,8 @@ CASES = {
                     "lora": {"rank": 64, "alpha": 128}}),
     "sft-4k-accumulation-4": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
         "batchSize": 32, "gradientAccumulation": 4}}),
+    "sft-4k-no-remat-accumulation-4": ("Qwen3-0.6B", "v6e-8", {**SFT, "training": {
+        "remat": "none", "batchSize": 32, "gradientAccumulation": 4}}),
     "grpo-full": ("Qwen3-0.6B", "v6e-8", {"technique": "grpo", "grpo": {
         "numGenerations": 4, "maxPromptLength": 512, "maxCompletionLength": 1536,
         "rewards": [{"type": "exactAnswer"}]}}),
@@ -101,6 +108,10 @@ CASES = {
     "vision-lora": ("gemma-3-4b-it", "v6e-8", {"technique": "sft", "data": {
         "maxLength": 1024, "columns": {"images": "images"}}, "lora": {"rank": 16}}),
 }  # fmt: skip
+# accumulation 4 of a micro-batch: the case with that micro-batch and accumulation 1
+ACCUMULATED = {"sft-4k-accumulation-4": "sft-4k-remat",
+               "sft-4k-no-remat-accumulation-4": "sft-4k-no-remat"}  # fmt: skip
+WARN_SHARE = 0.75  # XLA's peak under this share of memory: admitted without a warning
 
 
 def _merge(base: dict, changes: dict) -> dict:
@@ -157,7 +168,8 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
     flags = REMAT_XLA_FLAGS if capacity.remat_of(spec) != "none" else ""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
-    key = json.dumps(_merge(doc, {"model": {"source": CASES[name][0]}}), sort_keys=True)
+    # the case as a key, its models by name (not by this run's temporary directory)
+    key = json.dumps(spec_doc(name, Path()), sort_keys=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "xla.json"
         if key in saved:  # --saved: XLA's figures of an earlier run of the same case
@@ -173,8 +185,22 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
         memory = json.loads(out.read_text())
     saved[key] = memory
     xla = step_memory.peak_bytes(memory) / capacity.GIB
+    verdict, _ = capacity.admission(spec, placement)
     return {"name": name, "estimate": est.total_gib, "xla": xla, "ratio": est.total_gib / xla,
-            "seconds": memory["seconds"], "terms": est.terms, "line": est.explain()}  # fmt: skip
+            "seconds": memory["seconds"], "terms": est.terms, "line": est.explain(),
+            "memory": est.available_gib, "verdict": verdict,
+            "admission": admission_check(xla, est.available_gib, verdict)}  # fmt: skip
+
+
+def admission_check(xla: float, memory: float, verdict: str) -> str:
+    """'right' or 'WRONG' where XLA puts the case over the device's memory (refused or
+    warned is right) or under WARN_SHARE of it (admitted without a warning is right);
+    '-' in between, where either is."""
+    if xla > memory:
+        return "right" if verdict in ("refuse", "warn") else "WRONG"
+    if xla < WARN_SHARE * memory:
+        return "right" if verdict == "admit" else "WRONG"
+    return "-"
 
 
 def main() -> int:
@@ -206,13 +232,30 @@ def main() -> int:
                 print(f"{name:<24} failed: {r['error']}", flush=True)
                 continue
             terms = ", ".join(f"{k} {v:.1f}" for k, v in r["terms"].items() if v >= 0.05)
-            print(f"{name:<24} estimate {r['estimate']:6.1f} GiB  XLA {r['xla']:6.1f} GiB  "
-                  f"ratio {r['ratio']:.2f}  (compiled in {r['seconds']:.0f} s; {terms})",
+            print(f"{name:<31} estimate {r['estimate']:6.1f} GiB  XLA {r['xla']:6.1f} GiB  "
+                  f"ratio {r['ratio']:.2f}  device {r['memory']:g} GiB: XLA "
+                  f"{r['xla'] / r['memory']:4.0%}, {r['verdict']} ({r['admission']})",
                   flush=True)  # fmt: skip
-    ok = [r for r in results if "ratio" in r]
-    inside = [r for r in ok if 0.8 <= r["ratio"] <= 1.25]
+            print(f"{'':<31} compiled in {r['seconds']:.0f} s; {terms}", flush=True)
+    ok = {r["name"]: r for r in results if "ratio" in r}
+    inside = [r for r in ok.values() if 0.8 <= r["ratio"] <= 1.25]
     print(f"{len(inside)} of {len(results)} cases within 0.8-1.25")
-    return 0 if len(inside) == len(results) else 1
+    over = [r for r in ok.values() if r["xla"] > r["memory"]]
+    under = [r for r in ok.values() if r["xla"] < WARN_SHARE * r["memory"]]
+    wrong = [r["name"] for r in ok.values() if r["admission"] == "WRONG"]
+    print(f"admission: {sum(r['verdict'] != 'admit' for r in over)} of {len(over)} cases XLA "
+          f"puts over memory refused or warned, {sum(r['verdict'] == 'admit' for r in under)} "
+          f"of {len(under)} under {WARN_SHARE:.0%} admitted without a warning"
+          + (f"; wrong: {', '.join(wrong)}" if wrong else ""))  # fmt: skip
+    worst = 0.0
+    for many, one in ACCUMULATED.items():
+        if many in ok and one in ok:
+            ratio = ok[many]["xla"] / ok[one]["xla"]
+            worst = max(worst, ratio)
+            print(f"accumulation 4 / 1, the same micro-batch: {many} / {one}: XLA "
+                  f"{ok[many]['xla']:.1f} / {ok[one]['xla']:.1f} GiB = {ratio:.2f}")  # fmt: skip
+    good = len(inside) == len(results) and not wrong and worst <= 1.15
+    return 0 if good else 1
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   forward pass (the cast copy is counted too); LoRA keeps the frozen base in
   spec.model.dtype plus float32 adapters (rank x (in + out) per targeted projection).
   Over several fsdp devices, a matmul needs its whole weight: XLA gathers the
-  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype;
-  with gradientAccumulation above 1 it gathers every weight once for the whole
-  micro-batch scan (hoisted out of the loop: the float32 masters and their cast, the
-  frozen reference or teacher), a fixed cost that does not grow with the micro-batches.
+  (vocabulary x hidden) embedding and a decoder layer at a time in the compute dtype,
+  with gradientAccumulation above 1 too (inside each micro-batch:
+  posttrain.trainer.optim.accumulate keeps the gathers in the loop).
 - optimizer: AdamW two float32 moments per trained weight, SGD one, Adafactor factored
   (about two float32 vectors per matrix). Gradients: float32, a second copy (the
   accumulator) with gradientAccumulation above 1; over several fsdp devices, the whole
@@ -85,7 +84,7 @@ SAVED_PER_SCORE = 7.0
 SAVED_PER_SCORE_UNCLIPPED = 1.5
 # With gradientAccumulation above 1 the layers run inside the micro-batch scan, which XLA
 # schedules apart from the update: only the layers' inputs are kept, plus one layer's whole
-# working set while it is recomputed (Qwen3 0.6B, 28 layers, 4k, accumulation 4: 12.7 GiB,
+# working set while it is recomputed (Qwen3 0.6B, 28 layers, 4k, accumulation 4: 9.9 GiB,
 # bench/memory.py).
 REMAT_WORKING_SET = 0.1
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -316,13 +315,6 @@ def estimate(
     per_scored = {"sft": 4, "grpo": 16}.get(str(spec.technique), 8) - (2 if spec.lora else 0)
     logits = tokens * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
     whole = 0  # weights gathered whole over fsdp: the embedding and one decoder layer
-    # With accumulation XLA gathers every weight whole once, out of the micro-batch loop
-    # (loop-invariant all-gathers hoisted): the frozen models in spec.model.dtype, the
-    # trained float32 masters and their cast (XLA's figures, test_capacity_xla.py).
-    hoisted = t.gradient_accumulation > 1 and fsdp > 1
-    gathered = 0.0
-    if hoisted:
-        gathered = params * (w if spec.lora else 4 + w)
     if fsdp > 1:
         whole = shape.vocab * shape.hidden + shape.layer_params
 
@@ -331,8 +323,6 @@ def estimate(
         teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
         teacher = teacher or shape
         frozen = teacher.params * _DTYPE_BYTES[spec.distill.teacher.dtype] / fsdp
-        if hoisted:
-            frozen *= fsdp
         # the teacher's logits, their float32 cast and the float32 log-softmax at the
         # temperature that the KL's gradient reads (XLA's figures, test_capacity_xla.py)
         logits += tokens * teacher.vocab * (w + 8)
@@ -340,7 +330,7 @@ def estimate(
         (spec.technique == "dpo" and spec.dpo.algorithm == "dpo")
         or (spec.technique == "grpo" and spec.grpo.beta > 0)
     ):
-        frozen = params * w / fsdp * (fsdp if hoisted else 1)
+        frozen = params * w / fsdp
     cache = 0.0
     if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
@@ -360,7 +350,7 @@ def estimate(
             tower += vision.params * 12 / fsdp
             activations += (vision.depth - 1) * tower_layer
     terms = {
-        "weights": weights / fsdp + whole * w + gathered,
+        "weights": weights / fsdp + whole * w,
         "optimizer": opt_bytes / fsdp,
         "gradients": grads / fsdp + (0 if spec.lora else whole * 4),
         "activations": activations,
@@ -452,3 +442,15 @@ def warning(spec: PostTrainJobSpec, placement: Placement) -> str | None:
             f"{REFUSE_ABOVE * est.available_gib:.1f} GiB)"
         )
     return None
+
+
+def admission(spec: PostTrainJobSpec, placement: Placement) -> tuple[str, str | None]:
+    """What admission does about the job's memory: ("refuse", the refusal) when the
+    estimate is more than BAND above a device's memory, ("warn", the warning) when it is
+    within BAND of it or no estimate can be made, else ("admit", None). The webhook, the
+    operator and `posttrain validate` apply this (posttrain.checks)."""
+    est = estimate(spec, placement)
+    if est is not None and not est.fits:
+        return "refuse", refusal(spec, placement, est)
+    found = warning(spec, placement)
+    return ("warn", found) if found else ("admit", None)

@@ -116,11 +116,9 @@ def semantic_errors(job: PostTrainJob) -> list[FieldError]:
                 f"{placement.memory_gib_per_device:g} GiB; give the sampler more devices",
             )
         )
-    estimate = capacity.estimate(spec, placement)
-    if estimate is not None and not estimate.fits:
-        errors.append(
-            FieldError("spec.resources.accelerator", capacity.refusal(spec, placement, estimate))
-        )
+    verdict, message = capacity.admission(spec, placement)
+    if verdict == "refuse":
+        errors.append(FieldError("spec.resources.accelerator", message))
     return errors
 
 
@@ -134,8 +132,8 @@ def warnings(job: PostTrainJob) -> list[str]:
         )
     except catalog.CatalogError:
         return []
-    found = capacity.warning(job.spec, placement)
-    return [printable(found)] if found else []
+    verdict, message = capacity.admission(job.spec, placement)
+    return [printable(message)] if verdict == "warn" else []
 
 
 def validate(doc: Any) -> tuple[PostTrainJob | None, list[FieldError]]:

@@ -15,11 +15,13 @@ which is what carries the estimate to full-size models.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -76,7 +78,7 @@ def _remat(case: tuple) -> str:
 
 def _doc(case: tuple, model_dir: Path) -> dict:
     """The case as a PostTrainJob spec (JSON, as the child receives it)."""
-    technique, lora, _, _, _, length, batch, *_ = case
+    technique, lora, devices, _, _, length, batch, *_ = case
     extra = dict(_extra(case))
     teacher_layers = extra.pop("teacherLayers", None)
     spec = {
@@ -85,7 +87,7 @@ def _doc(case: tuple, model_dir: Path) -> dict:
         "data": {"source": "/d.jsonl", "maxLength": length},
         "training": {"batchSize": batch, "remat": "none", **extra},
         "output": {"uri": "/out"},
-        "resources": {"accelerator": "v6e-8"},
+        "resources": {"accelerator": f"v6e-{devices}"},  # the case's devices, one slice
     }
     if lora:
         spec["lora"] = {"rank": 16}
@@ -130,9 +132,15 @@ def _child(work: Path, group: str) -> None:
 # ------------------------------------------------------------------------- the tests
 
 
+class Measured(NamedTuple):
+    xla: int  # XLA's peak bytes per device
+    est: float  # the estimate's bytes per device
+    spec: Any  # the case's PostTrainJobSpec
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """{case: (XLA's peak bytes per device, the estimate's bytes per device)}."""
+    """{case: Measured}."""
     from posttrain import capacity, catalog
     from posttrain.api.spec import PostTrainJobSpec
     from posttrain.trainer import step_memory
@@ -166,34 +174,68 @@ def measured(tmp_path_factory):
     out = {}
     for name, case in CASES.items():
         spec = PostTrainJobSpec.model_validate(_doc(case, dirs[case[3], case[4]]))
-        est = capacity.estimate(spec, catalog.resolve("v6e-8"), capacity.Layout(1, case[2]))
+        est = capacity.estimate(spec, catalog.resolve(spec.resources.accelerator))
         assert est is not None and est.shape.origin == "config.json"
-        out[name] = (step_memory.peak_bytes(xla[name]), est.total_gib * capacity.GIB)
-        print(f"{name:<28} XLA {out[name][0] / 2**20:9.1f} MiB  estimate "
-              f"{out[name][1] / 2**20:9.1f} MiB  ratio {out[name][1] / out[name][0]:.2f}")  # fmt: skip
+        assert est.layout == capacity.Layout(1, case[2])
+        peak = step_memory.peak_bytes(xla[name])
+        m = out[name] = Measured(peak, est.total_gib * capacity.GIB, spec)
+        print(f"{name:<28} XLA {m.xla / 2**20:9.1f} MiB  estimate {m.est / 2**20:9.1f} MiB  "
+              f"ratio {m.est / m.xla:.2f}")  # fmt: skip
     return out
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_estimate_is_within_a_quarter_of_xla(measured, name):
-    xla, est = measured[name]
+    xla, est, _ = measured[name]
     assert 0.75 * xla <= est <= 1.25 * xla, (name, xla, est, est / xla)
 
 
 @pytest.mark.parametrize("name", ACCUMULATED)
 def test_accumulation_keeps_one_micro_batch_in_memory(measured, name):
-    """gradientAccumulation 4 of the same micro-batch: XLA's peak is within 1.15x of one
-    micro-batch's, beyond the fixed costs the estimate counts for accumulation (the
-    float32 gradient sum, and over several devices the weights XLA gathers whole once for
-    the whole loop). The Python loop the step had needed 2-4.4x."""
-    (many, est_many), (one, est_one) = measured[name], measured[ACCUMULATED[name]]
-    assert many <= 1.15 * one + (est_many - est_one), (name, many, one, est_many - est_one)
+    """gradientAccumulation 4 of the same micro-batch (SFT, DPO, GRPO's learner,
+    distillation): XLA's peak is within 1.15x of one micro-batch's. The Python loop the
+    step had needed 2-4.4x; the scan, with XLA hoisting the weights' all-gathers out of
+    it, 1.21-1.29x on 4-8 devices. What accumulation must add is the float32 gradient sum
+    (the scan's carry: the trained weights' share of a device, in float32). These shapes
+    give gradients a larger share of the peak than real jobs do (3-10% of the estimate
+    here; 1-6% for the published shapes of bench/memory.py at accumulation 1, where
+    activations and logits dominate), so the bound is harder to meet here than at real
+    size. The losses and updates are the unrolled loop's, bitwise (test_accumulation.py)."""
+    many, one = measured[name].xla, measured[ACCUMULATED[name]].xla
+    assert many <= 1.15 * one, (name, many, one, many / one)
+
+
+# Device memory as a share of XLA's peak: just under it, and where XLA needs 60% of it.
+# The estimate is within 25% of XLA's (above), so over memory it is above 75% of it
+# (warned, or refused above 125%), and at 60% it is at most 75% of it (admitted silently).
+TIGHT, ROOMY = 1 / 1.05, 1 / 0.6
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_admission_is_right_on_both_sides(measured, name):
+    """posttrain's admission (posttrain.capacity.admission, what the webhook applies) on
+    the case's accelerator with its memory set from XLA's peak: a job XLA puts 5% over
+    a device's memory is refused or warned, the message giving the estimate, its terms
+    and the memory; one XLA puts at 60% of it is admitted without a warning."""
+    from posttrain import capacity, catalog
+
+    m = measured[name]
+    placement = catalog.resolve(m.spec.resources.accelerator)
+
+    def admit(memory_bytes: float) -> tuple[str, str | None, capacity.MemoryEstimate]:
+        device = dataclasses.replace(placement, memory_gib_per_device=memory_bytes / capacity.GIB)
+        return *capacity.admission(m.spec, device), capacity.estimate(m.spec, device)
+
+    verdict, message, est = admit(m.xla * TIGHT)
+    assert verdict in ("refuse", "warn"), (name, verdict, m.est / m.xla)
+    assert est.explain() in message, message
+    assert admit(m.xla * ROOMY)[:2] == ("admit", None), (name, m.est / m.xla)
 
 
 @pytest.mark.parametrize("remat", ["", "-remat"])
 def test_per_layer_memory_is_linear_in_both(measured, remat):
-    (xla2, est2), (xla4, est4) = measured[f"sft-1dev{remat}"], measured[f"sft-1dev-4layers{remat}"]
-    layer_xla, layer_est = (xla4 - xla2) / 2, (est4 - est2) / 2
+    two, four = measured[f"sft-1dev{remat}"], measured[f"sft-1dev-4layers{remat}"]
+    layer_xla, layer_est = (four.xla - two.xla) / 2, (four.est - two.est) / 2
     assert 0.75 * layer_xla <= layer_est <= 1.25 * layer_xla, (layer_xla, layer_est)
 
 
