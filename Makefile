@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps tools lint format test demo crd clean
+.PHONY: setup system-deps tools torch-venv lint format test demo crd clean
 FAKE_GCS_VERSION := v1.56.1
 PROMTOOL_VERSION := v0.316.0
 
@@ -39,6 +39,21 @@ tools: setup
 	test -x .cache/bin/fake-gcs-server || GOBIN=$(CURDIR)/.cache/bin go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 	test -x .cache/bin/promtool || GOBIN=$(CURDIR)/.cache/bin go install -tags remove_all_sd github.com/prometheus/prometheus/cmd/promtool@$(PROMTOOL_VERSION)
 
+# torch, transformers and peft in a venv of their own, apart from the project's (which has
+# no torch): the test that loads an exported adapter with peft uses it, and so does
+# scripts/make_hf_fixtures.py. About 5.6 GiB; a second run with the same pins is a no-op.
+TORCH_VENV := .cache/torch-venv
+TORCH_PINS := torch==2.15.0 transformers==5.12.1 peft==0.21.2 safetensors==0.8.0 numpy==2.4.6
+torch-venv:
+	@if test -x $(TORCH_VENV)/bin/python && test "$$(cat $(TORCH_VENV)/.installed 2>/dev/null)" = "$(TORCH_PINS)"; then \
+	  echo "$(TORCH_VENV): up to date"; \
+	else \
+	  set -ex; \
+	  test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV); \
+	  $(TORCH_VENV)/bin/pip install -q $(TORCH_PINS); \
+	  echo "$(TORCH_PINS)" > $(TORCH_VENV)/.installed; \
+	fi
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -54,7 +69,7 @@ crd: setup
 	cp crds/posttrain.dev_posttrainjobs.yaml manifests/base/
 
 # Every tier: lint, unit, trainer, integration, e2e. Prints each phase's time.
-test: setup system-deps tools
+test: setup system-deps tools torch-venv
 	bash scripts/test.sh
 
 # The quickstart: LoRA SFT of SmolLM2-135M-Instruct on CPU.

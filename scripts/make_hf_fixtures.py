@@ -6,11 +6,10 @@ with `transformers` (saved with save_pretrained as safetensors), golden logits o
 input (golden.npz), a LoRA adapter exported from JAX in PEFT format (peft_adapter/) and
 the JAX logits with that adapter (peft_golden.npz).
 
-torch, transformers and peft are NOT in the project's venv (CI has no torch); they live
+torch, transformers and peft are NOT in the project's venv; they live
 in a separate venv:
 
-    python -m venv .cache/torch-venv
-    .cache/torch-venv/bin/pip install torch transformers==5.12.1 peft safetensors numpy
+    make torch-venv   # .cache/torch-venv, with the Makefile's pins
 
 Stages (each run by the interpreter that has what it needs):
 
