@@ -691,6 +691,22 @@ def test_read_dataset_and_tokenizer_from_gcs(gcs, tmp_path, tok, tok_dir):
     storage.write_text(f"{gcs}/sft/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     ds = open_records(f"{gcs}/sft/train.jsonl")
     assert values(ds) == rows and ds.where(2) == f"{gcs}/sft/train.jsonl:3"
+    # its offset index cached on gs:// by process 0, then fetched and memory-mapped
+    for process in (0, 1):
+        cached = open_records(
+            f"{gcs}/sft/train.jsonl", index_dir=f"{gcs}/index", process_index=process
+        )
+        assert values(cached) == rows
+    assert len(storage.list_uri(f"{gcs}/index")) == 1
+    # ArrayRecord, fetched to a local file for its reader
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(tmp_path / "a.array_record"), "group_size:4")
+    for r in rows:
+        writer.write(json.dumps(r).encode())
+    writer.close()
+    storage.write_bytes(f"{gcs}/a.array_record", (tmp_path / "a.array_record").read_bytes())
+    assert values(open_records(f"{gcs}/a.array_record")) == rows
     # a directory of parquet shards, read in sorted order
     for name, part in (("b.parquet", rows[4:]), ("a.parquet", rows[:4])):
         _parquet(tmp_path / name, part)
