@@ -169,13 +169,15 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-FIRST_BATCH_RUNS = 3  # the time to the first batch is the median of these
+FIRST_BATCH_RUNS = 7  # the time to the first batch is the median of these
 
 
 def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: float) -> dict:
     """Run in a fresh process: build the pipeline and time its first batch (the median of
     FIRST_BATCH_RUNS builds, each with another seed; the first one of a jsonl file without
     a cached index builds it), then batches for steady_s seconds."""
+    import grain  # noqa: F401 - imported by the trainer long before its data (orbax)
+
     from posttrain.api.spec import PostTrainJobSpec
     from posttrain.trainer import data
 
@@ -200,6 +202,7 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
         loader = data.build_loader(spec, tokenizer, rows=rows)
         next(loader)
         firsts.append(time.perf_counter() - started)
+        loader.close()  # its prefetching would run into the next build's time
     first = firsts[0] if builds_index else sorted(firsts)[len(firsts) // 2]
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < steady_s:

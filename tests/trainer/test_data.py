@@ -751,6 +751,22 @@ def test_pretokenized_rows_skip_the_tokenizer(tok, tmp_path):
         tokenize_sft(open_records(str(big)), tok)
 
 
+def _bytes_read_by_process() -> int:
+    with open("/proc/self/io") as f:  # rchar: bytes this process's reads returned
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_row_deep_in_a_jsonl_file_reads_only_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "big.jsonl", [chat_row(i) for i in range(20000)])
+    records = open_records(str(path))
+    before = _bytes_read_by_process()
+    rows = records.read_many(list(range(19990, 20000)))
+    read = _bytes_read_by_process() - before
+    assert [r.values for r in rows] == [chat_row(i) for i in range(19990, 20000)]
+    assert read < 64 << 10, (read, path.stat().st_size)  # the file is about 2 MB
+    assert records.where(19999) == f"{path}:20000"  # counted when an error needs it
+
+
 def test_nothing_is_read_past_the_last_step(sft_rows):
     rows = sft_rows(n=40, max_length=48)
     loader = DataLoader(rows, batch_size=4, max_steps=3, prefetch=4)
