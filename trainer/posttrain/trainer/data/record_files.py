@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,14 +60,15 @@ class RecordFile:
             self.bytes_read += n
 
 
-def _json_object(raw: bytes, where: str, invalid: str) -> dict[str, Any]:
-    """One row's JSON object; a DataError naming `where` when it is not one."""
+def _json_object(raw: bytes, where: Callable[[], str], invalid: str) -> dict[str, Any]:
+    """One row's JSON object; a DataError naming where() when it is not one (called
+    only then: a jsonl row's line number is counted from the start of the file)."""
     try:
         row = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{where}: {invalid}: {e}") from None
+        raise DataError(f"{where()}: {invalid}: {e}") from None
     if not isinstance(row, dict):
-        raise _not_an_object(where, row)
+        raise _not_an_object(where(), row)
     return row
 
 
@@ -127,10 +129,19 @@ def scan_line_offsets(path: str) -> np.ndarray:
     return np.concatenate(starts)
 
 
+def _load_index(index_path: str) -> np.ndarray:
+    """A cached offset index, memory-mapped (a gs:// one from a local copy): opening it
+    reads its header only, and a row's offsets are paged in when the row is read, so
+    neither the time nor the memory to open it grows with the rows."""
+    local = _local_copy(index_path) if storage.is_gcs(index_path) else index_path
+    return np.load(local, mmap_mode="r")
+
+
 class JsonlFile(RecordFile):
     """JSON lines, read a line at a time through a byte-offset index (int64 numpy: the
     only thing kept per row). The index is built in one pass and, with an index
-    directory, written there once and read by every later run and every other host."""
+    directory, written there once and memory-mapped by every later run and every other
+    host."""
 
     fmt = "jsonl"
 
@@ -152,7 +163,7 @@ class JsonlFile(RecordFile):
                 time.sleep(0.5)
         if storage.exists(index_path):
             try:
-                return np.load(io.BytesIO(storage.read_bytes(index_path)))
+                return _load_index(index_path)
             except (OSError, ValueError) as e:
                 log.warning("%s: unreadable index (%s); indexing again", index_path, e)
         started = time.monotonic()
@@ -195,7 +206,7 @@ class JsonlFile(RecordFile):
         self._count(len(raw))
         if a == 0:
             raw = raw.removeprefix(b"\xef\xbb\xbf")
-        return _json_object(raw, self.where(i), "invalid JSON")
+        return _json_object(raw, lambda: self.where(i), "invalid JSON")
 
 
 class JsonArrayFile(RecordFile):
@@ -371,12 +382,15 @@ class ArrowFile(RecordFile):
 
 class ArrayRecordFile(RecordFile):
     """An ArrayRecord file: one JSON object (UTF-8) a record, read by index without
-    readahead, a batch of rows in one call. Files written with group_size 1 (what Grain
-    recommends) keep one index entry a record in memory; a larger group_size (64-128)
-    keeps that index small for files of many millions of rows, each read then
-    decompressing its group."""
+    readahead, a batch of rows in one call. The reader keeps the file's index of record
+    groups in memory, one entry a group, read at open; a larger group_size (64-128)
+    keeps it small for files of many millions of rows (10 M rows in groups of 128: 78 k
+    entries, about 10 ms to open), each read then decompressing its row's group. (The
+    reader's `index_storage_option:offloaded` leaves the index on disk but then reads
+    it anew for every record: 32 random reads of that file take 0.5 s instead of 5 ms.)"""
 
     fmt = "arrayrecord"
+    READER_OPTIONS = "readahead_buffer_size:0"
 
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -387,7 +401,7 @@ class ArrayRecordFile(RecordFile):
         if storage.is_gcs(path):  # the reader takes local files: fetch it once
             local = _local_copy(path)
         try:
-            self._reader = ArrayRecordReader(local, "readahead_buffer_size:0")
+            self._reader = ArrayRecordReader(local, self.READER_OPTIONS)
         except Exception as e:  # noqa: BLE001 - the C++ reader raises plain errors
             raise DataError(f"{path}: not a readable ArrayRecord file: {e}") from None
         self._length = int(self._reader.num_records())
@@ -398,7 +412,7 @@ class ArrayRecordFile(RecordFile):
 
     def _row(self, i: int, raw: bytes) -> dict[str, Any]:
         self._count(len(raw))
-        return _json_object(raw, self.where(i), "invalid JSON record")
+        return _json_object(raw, lambda: self.where(i), "invalid JSON record")
 
     def read(self, i: int) -> dict[str, Any]:
         return self.read_many([i])[0]
@@ -409,11 +423,14 @@ class ArrayRecordFile(RecordFile):
 
 
 def _local_copy(path: str) -> str:
-    """A local copy of a gs:// file under the temporary directory (kept for the run)."""
+    """A local copy of a gs:// file under the temporary directory (kept for the run),
+    downloaded to disk without passing through memory."""
     import tempfile
 
     key = hashlib.sha1(path.encode()).hexdigest()[:16]
     local = os.path.join(tempfile.gettempdir(), f"posttrain-{key}-{storage.basename(path)}")
     if not os.path.exists(local):
-        storage.write_bytes(local, storage.read_bytes(path))
+        tmp = f"{local}.{os.getpid()}.tmp"
+        storage.blob(path).download_to_filename(tmp)
+        os.replace(tmp, local)
     return local
