@@ -95,6 +95,36 @@ def test_a_second_signal_while_training_exits_at_once():
     assert time.monotonic() - began < 20
 
 
+def test_a_start_up_signal_read_late_is_not_counted_once_training():
+    """On a loaded machine the watcher thread may read a start-up signal's byte only after
+    training began: that signal was already handled (start-up stopped), so the first one
+    while training still checkpoints instead of exiting as if it were the second."""
+    script = textwrap.dedent(
+        """
+        import logging, os, signal
+        from posttrain.trainer.loop import StopFlag
+
+        logging.basicConfig(level=logging.INFO)
+        flag = StopFlag()
+        flag.handled = 1  # the start-up Ctrl-C, handled by raising Interrupted
+        flag.training()
+        read, write = os.pipe()
+        os.write(write, bytes([signal.SIGINT, signal.SIGINT]))  # its byte, then a new one
+        os.close(write)
+        flag._watch(read)  # returns at end of file; a second counted signal exits
+        print("still running", flush=True)
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert (r.returncode, r.stdout) == (0, "still running\n"), r.stderr
+    said = [line for line in r.stderr.splitlines() if "received" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "received SIGINT: checkpointing after this step (again to exit at once)"
+    ), r.stderr
+
+
 def test_ctrl_c_during_a_compile_says_so_at_once_and_a_second_exits():
     """XLA compiling the first step is one long C call: Python runs no signal handler
     until it returns. The first Ctrl-C still says at once what it will do, and a second

@@ -89,7 +89,9 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.stepping = False
-        self.signals = 0  # seen by the watcher since the mode last changed
+        self.handled = 0  # signals whose Python handler has run
+        self.seen = 0  # signals the watcher has read from the wakeup fd
+        self.base = 0  # signals that came before training(): not counted after it
         self.watching = False
         self.raised = threading.Event()  # the handler raised Interrupted
 
@@ -111,16 +113,21 @@ class StopFlag:
 
     def training(self) -> None:
         """Steps start now: from here a signal checkpoints after the step."""
+        # Signals before this line have been handled (the handler runs at the next
+        # bytecode), though the watcher may not have read their bytes yet: count from here.
+        self.base = self.handled
         self.stepping = True
-        self.signals = 0
 
     def _watch(self, read: int) -> None:
         stop = {int(signal.SIGTERM), int(signal.SIGINT)}
         while chunk := os.read(read, 64):
             for signum in (s for s in chunk if s in stop):
-                self.signals += 1
+                self.seen += 1
+                count = self.seen - self.base  # this mode's count
                 name = signal.Signals(signum).name
-                if self.signals > 1:
+                if count < 1:  # an earlier mode's signal, read late
+                    continue
+                if count > 1:
                     self._exit_now(signum)
                 elif self.stepping:
                     log.warning(
@@ -145,6 +152,7 @@ class StopFlag:
         os._exit(128 + signum)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.handled += 1
         if not self.stepping:
             self.raised.set()
             raise Interrupted(signum)
