@@ -29,7 +29,9 @@ from posttrain.trainer.loop import train  # noqa: E402
 from posttrain.trainer.policy import load_policy  # noqa: E402
 
 
-def job(model: str, prompts: str, out: str, steps: int, staleness: int, every: int):
+def job(
+    model: str, prompts: str, out: str, steps: int, staleness: int, every: int, loss: str
+):
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",
@@ -54,7 +56,7 @@ def job(model: str, prompts: str, out: str, steps: int, staleness: int, every: i
                 "maxCompletionLength": 4,
                 "temperature": 1.0,
                 "rewards": [{"type": "exactAnswer"}, {"type": "lengthPenalty", "targetLength": 1}],
-                "lossAlgorithm": "dr-grpo",
+                "lossAlgorithm": loss,
                 "rollout": {"placement": "disaggregated", "samplerFraction": 0.25},
                 "maxStaleness": staleness,
             },
@@ -76,7 +78,7 @@ def nbytes(tree) -> int:
 
 
 def placement(model: str, prompts: str, out: str) -> dict:
-    parsed = job(model, prompts, out, steps=4, staleness=1, every=1000)
+    parsed = job(model, prompts, out, steps=4, staleness=1, every=1000, loss="dr-grpo")
     trainer_devices, sampler_devices = rl_placement.split_devices(parsed.spec)
     mesh = models.make_mesh(devices=trainer_devices)
     policy = load_policy(parsed.spec, mesh, Path(out))
@@ -125,13 +127,15 @@ def resume(model: str, prompts: str, out: str) -> dict:
     from safetensors.numpy import load_file
     from tb_events import scalars
 
-    spec = job(model, prompts, out, steps=4, staleness=1, every=2)
+    # DAPO: its dynamic sampling draws new prompts on the sampler thread too.
+    spec = job(model, prompts, out, steps=4, staleness=1, every=2, loss="dapo")
     # Held-out evaluation samples on the sampler too, between the rollouts in flight.
     spec.spec.eval = EvalSpec(source=prompts, every_steps=2, samples=0)
     first = train(spec, ProcessInfo(None, 1, 0), show_bar=False)
     adapter = Path(out) / "hf" / "adapter_model.safetensors"
     whole = load_file(str(adapter))
-    staleness = scalars(Path(out) / "tensorboard")["train/staleness"]
+    tb = scalars(Path(out) / "tensorboard")
+    staleness, drawn = tb["train/staleness"], tb["train/prompts_drawn"]
     shutil.rmtree(Path(out) / "checkpoints" / "4")
     shutil.rmtree(Path(out) / "hf")
     (Path(out) / "summary.json").unlink()
@@ -144,6 +148,7 @@ def resume(model: str, prompts: str, out: str) -> dict:
         "bitwise": sorted(whole) == sorted(resumed)
         and all(np.array_equal(whole[k], resumed[k]) for k in whole),
         "staleness": [staleness[s] for s in sorted(staleness)],
+        "prompts_drawn": [drawn[s] for s in sorted(drawn)],
         "evals": sorted(first.evals),
     }
 

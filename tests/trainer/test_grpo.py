@@ -293,10 +293,11 @@ def test_two_processes_on_localhost(task, tmp_path, compilation_cache):
     assert sorted(scalars(out / "tensorboard")["train/reward"]) == [1, 2]
 
 
-def test_dapo_dynamic_sampling_resamples_groups_with_equal_rewards(task, tmp_path):
-    """DAPO: a prompt group whose completions all scored the same is sampled again until
-    its rewards differ (or the rounds run out); the informative groups are the very ones
-    the plain GRPO rollout sampled."""
+def test_dapo_dynamic_sampling_refills_the_batch_with_new_prompts(task, tmp_path):
+    """DAPO: prompt groups whose completions all scored the same are dropped and new
+    prompts, drawn at random from the data, sampled in their place; the batch keeps its
+    size, leads with the informative groups the plain GRPO rollout sampled, and is the
+    same when drawn again (a resumed run draws what the first drew)."""
     from posttrain.trainer import data, grpo, models
     from posttrain.trainer.policy import load_policy
     from posttrain.trainer.rl_losses import informative_groups
@@ -306,7 +307,9 @@ def test_dapo_dynamic_sampling_resamples_groups_with_equal_rewards(task, tmp_pat
         mesh = models.make_mesh()
         policy = load_policy(parsed.spec, mesh, tmp_path)
         tokenizer = data.load_tokenizer(policy.model_dir)
-        return grpo.GrpoRun(parsed, ProcessInfo(None, 1, 0), policy, tokenizer, mesh)
+        run = grpo.GrpoRun(parsed, ProcessInfo(None, 1, 0), policy, tokenizer, mesh)
+        run.loader = data.build_loader(parsed.spec, tokenizer)
+        return run
 
     spec = grpo_spec(task, tmp_path, grpo={"numGenerations": 2}, lora={"rank": 4, "alpha": 8})
     spec["training"]["batchSize"] = 8
@@ -317,10 +320,19 @@ def test_dapo_dynamic_sampling_resamples_groups_with_equal_rewards(task, tmp_pat
     dapo = dapo_run.rollout(batch, 3)
     before = informative_groups(plain["rewards"].sum(-1), 2)
     after = informative_groups(dapo["rewards"].sum(-1), 2)
-    assert not before.all() and dapo_run.resampled_groups >= (~before).sum()
-    assert after.sum() > before.sum(), (before, after)
+    assert not before.all(), "the task has no uniform group to drop"
+    assert dapo["completion_ids"].shape == plain["completion_ids"].shape
+    assert dapo["groups_dropped"] >= (~before).sum() and dapo["prompts_drawn"] % 8 == 0
+    assert dapo["prompts_drawn"] > 0 and after.sum() > before.sum(), (before, after)
+    kept = 2 * int(before.sum())  # the plain rollout's informative groups come first
     rows = np.repeat(before, 2)
-    for key in ("completion_ids", "rewards", "advantages"):
-        assert np.array_equal(plain[key][rows], dapo[key][rows]), key
-    # Uninformative groups that remain carry no advantage.
+    for key in ("prompt_ids", "completion_ids", "rewards", "advantages"):
+        assert np.array_equal(plain[key][rows], dapo[key][:kept]), key
+    # Prompts the batch did not hold were sampled.
+    own = {tuple(r) for r in plain["prompt_ids"]}
+    assert any(tuple(r) not in own for r in dapo["prompt_ids"][kept:])
+    # Dropped groups that fill the batch carry no advantage.
     assert np.all(dapo["advantages"][~np.repeat(after, 2)] == 0)
+    again = dapo_run.rollout(batch, 3)
+    for key in ("prompt_ids", "completion_ids", "advantages"):
+        assert np.array_equal(dapo[key], again[key]), key

@@ -72,3 +72,4 @@ def test_disaggregated_async_grpo_on_eight_devices(tmp_path, compilation_cache):
     assert r["bitwise"] and r["evals"] == [0, 2, 4]
     # On-policy again at each checkpoint step (2), one version behind otherwise.
     assert r["staleness"] == [0, 1, 0, 1]
+    assert len(r["prompts_drawn"]) == 4  # DAPO's dynamic sampling ran every step

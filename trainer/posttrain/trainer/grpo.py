@@ -68,8 +68,8 @@ from posttrain.trainer.tunix_rl import (
 
 log = logging.getLogger("posttrain.grpo")
 
-# Sampling rounds of DAPO's dynamic sampling (the first and up to this many minus one
-# resamplings of the groups whose rewards are all equal).
+# Sampling rounds of DAPO's dynamic sampling: the batch's own prompts, then up to this
+# many minus one batches of new prompts in place of the groups whose rewards all agree.
 DYNAMIC_SAMPLING_ROUNDS = 3
 
 BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "rewards")
@@ -370,10 +370,8 @@ class GrpoRun:
         return rolled
 
     def rollout(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
-        """Sample numGenerations completions of this host's prompts and score them. With
-        DAPO's dynamic sampling, groups whose rewards are all equal are dropped and
-        resampled (up to DYNAMIC_SAMPLING_ROUNDS rounds; groups still uninformative then
-        stay, with zero advantage)."""
+        """Sample numGenerations completions of this host's prompts and score them (with
+        DAPO's dynamic sampling, `_refill`)."""
         self.sync_rollout()
         return self._rollout(host_batch, index)
 
@@ -382,33 +380,44 @@ class GrpoRun:
         # Seeded by (seed, step, host): a resumed run samples what the first run sampled.
         key = jax.random.PRNGKey(self.spec.training.seed)
         key = jax.random.fold_in(jax.random.fold_in(key, index), self.process.process_id)
-        prompts = np.asarray([str(p) for p in host_batch["prompts"]], dtype=object)
-        answers = np.asarray(host_batch["answer"], dtype=object)
-        sample = self._sample(prompts, answers, key)
-        self.resampled_groups = 0
+        sample = self._sample(host_batch, key)
         if self.variant.dynamic_sampling:
-            for attempt in range(1, DYNAMIC_SAMPLING_ROUNDS):
-                flat = rl_losses.informative_groups(sample["total"], G)
-                if flat.all():
-                    break
-                redo = np.flatnonzero(~flat)
-                self.resampled_groups += len(redo)
-                again = self._sample(
-                    prompts[redo], answers[redo], jax.random.fold_in(key, 10_000 + attempt)
-                )
-                rows = (redo[:, None] * G + np.arange(G)).reshape(-1)
-                for k, v in again.items():
-                    sample[k][rows] = v
+            sample = self._refill(sample, index, key)
         total = sample.pop("total")
         advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
         self.last_texts = sample.pop("texts")
-        if self.variant.dynamic_sampling:
-            sample["resampled_groups"] = np.int32(self.resampled_groups)
         return {**sample, "advantages": advantages}
 
-    def _sample(self, prompts: np.ndarray, answers: np.ndarray, key: jax.Array) -> dict:
-        """numGenerations completions of each prompt sampled with `key`, scored."""
+    def _refill(self, sample: dict, index: int, key: jax.Array) -> dict:
+        """DAPO's dynamic sampling: the groups whose rewards all agree teach nothing and
+        are dropped; new prompts (`DataLoader.draw`, seeded by the seed, step and round)
+        are sampled in their place, up to DYNAMIC_SAMPLING_ROUNDS rounds in all. Groups
+        still missing then are filled with dropped ones, which carry zero advantage."""
         G = self.g.num_generations
+        groups = len(sample["total"]) // G
+        kept, dropped, drawn = [], [], 0
+        for attempt in range(DYNAMIC_SAMPLING_ROUNDS):
+            if attempt:
+                extra = self.loader.draw((self.spec.training.seed, index, attempt))
+                drawn += len(extra["prompts"])
+                sample = self._sample(extra, jax.random.fold_in(key, 10_000 + attempt))
+            informative = rl_losses.informative_groups(sample["total"], G)
+            kept += [_group(sample, g, G) for g in np.flatnonzero(informative)]
+            dropped += [_group(sample, g, G) for g in np.flatnonzero(~informative)]
+            if len(kept) >= groups:
+                break
+        chosen = (kept + dropped)[:groups]
+        out = {k: np.concatenate([c[k] for c in chosen]) for k in chosen[0]}
+        out["groups_dropped"] = np.int32(len(dropped))
+        out["prompts_drawn"] = np.int32(drawn)
+        return out
+
+    def _sample(self, host_batch: dict[str, np.ndarray], key: jax.Array) -> dict:
+        """numGenerations completions of each of the batch's prompts sampled with `key`,
+        scored."""
+        G = self.g.num_generations
+        prompts = [str(p) for p in host_batch["prompts"]]
+        answers = np.asarray(host_batch["answer"], dtype=object)
         repeated = [str(p) for p in prompts for _ in range(G)]
         # As host data: under the global mesh a device key would carry that mesh into the
         # host-local sampler.
@@ -508,12 +517,18 @@ class GrpoRun:
             self.async_rollouts.close()
 
     def _named(self, out: dict[str, Any], rolled: dict[str, Any]) -> dict[str, Any]:
-        if "resampled_groups" in rolled:
-            out["resampled_groups"] = rolled["resampled_groups"]
+        for name in ("groups_dropped", "prompts_drawn"):  # DAPO's dynamic sampling
+            if name in rolled:
+                out[name] = rolled[name]
         parts = out.pop("reward_parts")
         for j, name in enumerate(self.reward_names):
             out[f"reward/{name}"] = parts[j]
         return out
+
+
+def _group(sample: dict[str, np.ndarray], g: int, size: int) -> dict[str, np.ndarray]:
+    """Prompt group g of a sample: its rows g x size to (g + 1) x size."""
+    return {k: v[g * size : (g + 1) * size] for k, v in sample.items()}
 
 
 def _behaviour_logps_fn(pad_id: int, eos_id: int, temperature: float):

@@ -192,6 +192,18 @@ class DataLoader:
                 out[k] = row
         return out
 
+    def draw(self, key: Sequence[int]) -> Batch:
+        """A host batch of rows drawn at random from the whole dataset (a mixture: by
+        weight), seeded by `key` and the host, apart from the epoch's order: the extra
+        prompts of DAPO's dynamic sampling. Random access by index: a function of `key`
+        alone, so a resumed run draws what the first run drew; the position is unchanged."""
+        rng = np.random.default_rng([*key, self.process_index])
+        positions = rng.integers(0, len(self.rows), self.per_host_batch_size)
+        keys = [self.order[int(p)] for p in positions]
+        batch = self._batch(self._read_guarded(keys))
+        batch["row_index"] = np.asarray([i for _, i in keys], dtype=np.int32)
+        return batch
+
     # ------------------------------------------------------------------ batches
 
     def __iter__(self) -> Iterator[Batch]:
