@@ -2,13 +2,22 @@
 on-policy (maxStaleness 0) and with rollouts 1 and 2 policy versions old (decoupled PPO's
 behaviour weights correcting the gap), all with a disaggregated sampler on CPU devices.
 
-The task is the trainer tests' "Say N." -> "N" on a tiny random Llama first SFT'd a
-little (it says the right digit about 40% of the time); GRPO with an exactAnswer reward
-raises that. Prints, per maxStaleness, the mean training reward of the first and last
-`--window` steps and the held-out greedy pass rate at the end, and the gap to the
-on-policy run (the stated tolerance: within 0.1 of the on-policy final reward).
+Two tasks (--task):
 
-    python bench/grpo_staleness.py [--steps 30] [--devices 8] [--window 5]
+- say (the default): the trainer tests' "Say N." -> "N" on a tiny random Llama first
+  SFT'd a little (it says the right digit about 40% of the time); GRPO full fine-tune
+  with an exactAnswer reward raises that, with a held-out greedy pass rate at the end.
+- arithmetic: the CPU example examples/grpo-lora-smollm2-cpu.yaml as shipped (LoRA on
+  SmolLM2-135M-Instruct, `make demo` converts the model), with its sampler on half the
+  devices and no checkpoint inside the run (a checkpoint step is on-policy); about 3
+  minutes a run on two idle cores with --devices 2.
+
+Prints, per maxStaleness, the mean training reward of the first and last `--window`
+steps and the gap to the on-policy run (the stated tolerance: within 0.1 of the
+on-policy final reward).
+
+    python bench/grpo_staleness.py [--task say] [--steps 30] [--devices 8] [--window 5]
+    python bench/grpo_staleness.py --task arithmetic --devices 2 --window 10
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if "--devices" in sys.argv:  # before jax starts
@@ -34,6 +44,7 @@ sys.path[:0] = [str(ROOT / "tests" / "trainer")]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
 from tb_events import scalars  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
@@ -77,14 +88,8 @@ def write_task(root: Path) -> tuple[Path, Path, Path]:
     return sft, prompts, held_out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--window", type=int, default=5)
-    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
-    args = p.parse_args()
-    root = Path(tempfile.mkdtemp())
+def say_task(root: Path, steps: int):
+    """The "Say N." task: the SFT'd tiny model and, per maxStaleness, its GRPO spec."""
     sft, prompts, held_out = write_task(root)
     base = make_tiny_llama(root / "base")
     train(
@@ -106,15 +111,14 @@ def main() -> int:
         ProcessInfo(None, 1, 0),
         show_bar=False,
     )
-    results = {}
-    for k in args.staleness:
-        out = root / f"grpo-{k}"
-        spec = {
+
+    def spec(k: int, out: Path) -> dict:
+        return {
             "technique": "grpo",
             "model": {"source": str(root / "sft" / "hf"), "dtype": "float32"},
             "data": {"source": str(prompts)},
             "training": {
-                "steps": args.steps,
+                "steps": steps,
                 "batchSize": 8,
                 "learningRate": 0.002,
                 "schedule": "constant",
@@ -131,34 +135,88 @@ def main() -> int:
                 "rollout": {"placement": "disaggregated", "samplerFraction": 0.5},
                 "maxStaleness": k,
             },
-            "eval": {"source": str(held_out), "everySteps": args.steps, "samples": 0},
+            "eval": {"source": str(held_out), "everySteps": steps, "samples": 0},
             "checkpoint": {"everySteps": 1000},
             "output": {"uri": str(out)},
         }
-        result = train(job(spec), ProcessInfo(None, 1, 0), show_bar=False)
+
+    return spec, (
+        f"task: 'Say N.' -> 'N', tiny Llama SFT'd 55 steps; GRPO full fine-tune "
+        f"{steps} steps x 8 prompts x 4 completions"
+    )
+
+
+def arithmetic_task(steps: int):
+    """The arithmetic CPU example as shipped, its sampler on half the devices."""
+    example = yaml.safe_load((ROOT / "examples" / "grpo-lora-smollm2-cpu.yaml").read_text())
+    base = example["spec"]
+    model = ROOT / base["model"]["source"]
+    if not (model / "config.json").exists():
+        sys.exit(f"{model}: not found; `make demo` (or posttrain convert-gguf) makes it")
+
+    def spec(k: int, out: Path) -> dict:
+        s = json.loads(json.dumps(base))
+        s["model"]["source"] = str(model)
+        s["data"]["source"] = str(ROOT / s["data"]["source"])
+        s["training"].update(steps=steps, seed=0)
+        s["grpo"].update(
+            rollout={"placement": "disaggregated", "samplerFraction": 0.5}, maxStaleness=k
+        )
+        s["checkpoint"] = {"everySteps": 1000}
+        s["output"] = {"uri": str(out)}
+        return s
+
+    b = base["training"]["batchSize"]
+    return spec, (
+        f"task: examples/grpo-lora-smollm2-cpu.yaml (SmolLM2-135M LoRA r{base['lora']['rank']}, "
+        f"arithmetic), {steps} steps x {b} prompt x {base['grpo']['numGenerations']} completions"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=("say", "arithmetic"), default="say")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp())
+    if args.task == "say":
+        spec_for, title = say_task(root, args.steps)
+    else:
+        spec_for, title = arithmetic_task(args.steps)
+    results = {}
+    for k in args.staleness:
+        out = root / f"grpo-{k}"
+        start = time.monotonic()
+        result = train(job(spec_for(k, out)), ProcessInfo(None, 1, 0), show_bar=False)
         tb = scalars(out / "tensorboard")
         reward = [tb["train/reward"][s] for s in sorted(tb["train/reward"])]
         stale = [tb["train/staleness"][s] for s in sorted(tb["train/staleness"])]
+        evals = result.evals
         results[k] = {
             "first": float(np.mean(reward[: args.window])),
             "last": float(np.mean(reward[-args.window :])),
-            "pass_rate": result.evals[args.steps]["pass_rate"],
-            "pass_rate_0": result.evals[0]["pass_rate"],
+            "pass_rate": evals[args.steps]["pass_rate"] if args.steps in evals else None,
+            "pass_rate_0": evals[0]["pass_rate"] if 0 in evals else None,
             "max_staleness_seen": max(stale),
+            "seconds": time.monotonic() - start,
         }
-    print(
-        f"task: 'Say N.' -> 'N', tiny Llama SFT'd 55 steps; GRPO full fine-tune "
-        f"{args.steps} steps x 8 prompts x 4 completions; sampler 0.5 of "
-        f"{jax.device_count()} CPU devices"
-    )
+        print(f"maxStaleness {k}: rewards {[round(r, 3) for r in reward]}", flush=True)
+    print(f"{title}; sampler 0.5 of {jax.device_count()} CPU devices")
     ref = results.get(0)
     for k, r in results.items():
         gap = "" if ref is None else f"  gap to on-policy {r['last'] - ref['last']:+.3f}"
+        held = (
+            ""
+            if r["pass_rate"] is None
+            else f", held-out pass rate {r['pass_rate_0']:.2f} -> {r['pass_rate']:.2f}"
+        )
         print(
             f"maxStaleness {k}: train reward {r['first']:.3f} -> {r['last']:.3f} "
-            f"(mean of first/last {args.window} steps), held-out pass rate "
-            f"{r['pass_rate_0']:.2f} -> {r['pass_rate']:.2f}, staleness seen "
-            f"{r['max_staleness_seen']:.0f}{gap}"
+            f"(mean of first/last {args.window} steps){held}, staleness seen "
+            f"{r['max_staleness_seen']:.0f}, {r['seconds']:.0f} s{gap}"
         )
     if ref is None:
         return 0

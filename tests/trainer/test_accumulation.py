@@ -135,3 +135,38 @@ def test_each_device_keeps_its_share_of_every_micro_batch():
     micro-batch takes one row of each device's pair."""
     micro = optim.micro_batches({"x": jnp.arange(8)}, 2)["x"]
     np.testing.assert_array_equal(micro, [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr-grpo"])
+def test_grpo_losses_with_accumulation_match_one_batch(model_dir, algorithm):
+    """Accumulation changes no GRPO loss: with accumulation 2 the loss, gradient norm and
+    updated params are those of one batch, to float tolerance, though the micro-batches
+    hold different numbers of completion tokens (13 and 16): DAPO's token mean is over
+    the batch's tokens, not a mean of the micro-batches' token means."""
+    from types import SimpleNamespace
+
+    from tunix.rl.grpo import grpo_learner
+
+    from posttrain.trainer import rl_losses
+
+    g = SimpleNamespace(num_generations=2, beta=0.04, epsilon=0.2, epsilon_high=None,
+                        loss_algorithm=algorithm)  # fmt: skip
+    config = rl_losses.algo_config(g, grpo_learner.GRPOConfig)
+    config.temperature = 0.9
+    frozen, _ = models.load_model(model_dir)
+    tunix_call_signature(frozen)
+    batch = grpo_batch()
+    results = [
+        one_step(
+            model_dir,
+            lambda k=k: grpo.make_train_step(nnx.Param, config, 0, 2, k, "model"),
+            (frozen,),
+            batch,
+        )  # fmt: skip
+        for k in (1, 2)
+    ]
+    (one, one_params), (two, two_params) = results
+    for key in ("loss", "grad_norm", "tokens"):
+        np.testing.assert_allclose(two[key], one[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(jax.tree.leaves(one_params), jax.tree.leaves(two_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)  # Adam: 5% of a step

@@ -103,6 +103,7 @@ def make_train_step(
     from tunix.rl import common
 
     temperature = float(algo_config.temperature)
+    token_mean = algo_config.loss_agg_mode == "token-mean"  # DAPO's
 
     def ref_logps(model, ref_model, batch):
         if use_ref == "none":
@@ -123,9 +124,9 @@ def make_train_step(
             temperature=temperature,
         )
 
-    def loss_fn(model, example, behaviour_logps):
+    def loss_fn(model, example, behaviour_logps, share):
         view = models.compute_view(model)
-        return rl_losses.policy_loss(
+        loss, aux = rl_losses.policy_loss(
             view,
             example,
             algo_config=algo_config,
@@ -133,6 +134,7 @@ def make_train_step(
             eos_id=eos_id,
             behaviour_logps=behaviour_logps,
         )
+        return (loss if share is None else loss * jnp.sum(share)), aux
 
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
@@ -147,7 +149,7 @@ def make_train_step(
             ref_per_token_logps=ref_logps(model, ref_model, mb),
             old_per_token_logps=None,
         )
-        (loss, aux), grads = grad_fn(model, example, mb.get("behaviour_logps"))
+        (loss, aux), grads = grad_fn(model, example, mb.get("behaviour_logps"), mb.get("share"))
         return (loss, (aux["kl"], aux["pg_clipfrac"], aux["entropy"])), grads
 
     def step(model, optimizer, ref_model, batch):
@@ -155,6 +157,12 @@ def make_train_step(
         # and logit gradients live at a time.
         keys = ("prompt_ids", "completion_ids", "completion_mask", "advantages", "behaviour_logps")
         learner = {k: batch[k] for k in keys if k in batch}
+        if token_mean and accumulation > 1:
+            # A token mean over the whole batch, not a mean of the micro-batches' token
+            # means: each micro-batch's loss weighted by accumulation x its share of the
+            # batch's tokens (the shares of its rows summed), then averaged as the others.
+            tokens = jnp.sum(batch["completion_mask"], axis=-1).astype(jnp.float32)
+            learner["share"] = tokens * accumulation / jnp.maximum(jnp.sum(tokens), 1.0)
         loss, (kl, clip, entropy), grads = optim.accumulate(
             micro_grads, learner, accumulation, model, ref_model
         )
