@@ -1,5 +1,6 @@
 """spec.training.remat: a decoder layer (or its attention and MLP) recomputed in backward
-instead of kept trains the same losses as keeping everything, and is really in the step."""
+instead of kept trains the same losses as keeping everything, is really in the step, and
+reaches every model a job loads from its spec alone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from flax import nnx
 from hf_fixtures import FAMILIES, FIXTURES
 from tiny_job import run_job, tiny_job, validated
 
-from posttrain.trainer import models
+from posttrain.trainer import distill, loop, models
+from posttrain.trainer.distributed import ProcessInfo
+from posttrain.trainer.policy import load_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
@@ -21,9 +24,7 @@ DATA = ROOT / "examples" / "data" / "chat-sft.jsonl"
 def _losses(model_dir: Path, out: Path, remat: str) -> list[float]:
     doc = tiny_job(model_dir, DATA, out, steps=3, every=3, lora=False,
                    training={"logEverySteps": 1, "remat": remat})  # fmt: skip
-    job = validated(doc)
-    with models.remat_policy(job.spec.training.remat):  # as posttrain train runs a job
-        result = run_job(job)
+    result = run_job(validated(doc))
     return [result.losses[s] for s in sorted(result.losses)]
 
 
@@ -32,6 +33,29 @@ def test_remat_trains_the_same_losses(model_dir, tmp_path):
     assert len(none) == 3
     layer = _losses(model_dir, tmp_path / "layer", "layer")  # block: its program below
     np.testing.assert_allclose(layer, none, rtol=1e-5)
+
+
+def _remat_configs(model) -> set[str]:
+    """The remat config of the model and of each of its decoder layers."""
+    return {model.config.remat_config.name} | {
+        layer.config.remat_config.name for layer in model.layers
+    }
+
+
+@pytest.mark.parametrize("remat,config", [("layer", "DECODER"), ("block", "BLOCK")])
+def test_every_model_a_job_loads_has_the_specs_remat(model_dir, tmp_path, remat, config):
+    """What loop.train sets up from the job alone (as bench/ and tests call it, with no
+    wrapper around it): the policy, a frozen reference (DPO, GRPO) and a distillation
+    teacher all rematerialise as spec.training.remat says (auto would be none on CPU)."""
+    doc = tiny_job(model_dir, DATA, tmp_path / "out", steps=1, every=1, lora=False,
+                   training={"remat": remat}, technique="distill",
+                   distill={"teacher": {"source": str(model_dir), "dtype": "float32"}})  # fmt: skip
+    job = validated(doc)
+    run = loop.setup_run(job, ProcessInfo(None, 1, 0), show_bar=False, stop=None)
+    assert _remat_configs(run.policy.model) == {config}
+    assert _remat_configs(load_reference(job.spec, run.policy, run.mesh)) == {config}
+    teacher, _ = distill.load_teacher(job.spec, run.policy.info, run.mesh, run.scratch)
+    assert _remat_configs(teacher) == {config}
 
 
 @pytest.mark.parametrize(

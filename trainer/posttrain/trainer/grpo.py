@@ -54,10 +54,9 @@ from posttrain.trainer import (
     rewards,
     rl_losses,
     rl_placement,
-    sources,
 )
 from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.policy import DTYPES, Policy
+from posttrain.trainer.policy import Policy, load_reference
 from posttrain.trainer.tunix_rl import (
     TunixTokenizer,
     check_rollout_engine,
@@ -214,14 +213,7 @@ class GrpoRun:
         self.ref_kind = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
         self.ref_model = None
         if self.ref_kind == "model":
-            self.ref_model, _ = models.load_model(
-                policy.model_dir,
-                num_layers=spec.model.layers,
-                weights=sources.weights_uri(spec.model.source),
-                family=spec.model.family,
-                mesh=mesh,
-                dtype=DTYPES[spec.model.dtype],
-            )
+            self.ref_model = load_reference(spec, policy, mesh)
             tunix_call_signature(self.ref_model)
 
         self.rollout_config = base_rollout.RolloutConfig(

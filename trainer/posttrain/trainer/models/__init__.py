@@ -30,7 +30,6 @@ from posttrain.trainer.models.config import (
     detect_family,
     model_info,
     read_hf_config,
-    remat_policy,
     resolve_remat,
 )
 from posttrain.trainer.models.families import FAMILIES
@@ -68,7 +67,6 @@ __all__ = [
     "model_info",
     "param_maps",
     "read_hf_config",
-    "remat_policy",
     "resolve_remat",
     "rope_inv_freq",
     "write_safetensors",

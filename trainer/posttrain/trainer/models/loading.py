@@ -99,7 +99,7 @@ def load_model(
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
     vision: bool = False,
-    remat: str | None = None,
+    remat: str = "auto",
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
