@@ -62,7 +62,6 @@ from posttrain.trainer.tunix_rl import (
     check_rollout_engine,
     local_mesh,
     make_host_local_rollout_class,
-    tunix_call_signature,
 )
 
 log = logging.getLogger("posttrain.grpo")
@@ -208,13 +207,11 @@ class GrpoRun:
         )
         self.reward_names = [fn.__name__ for fn in self.reward_fns]
 
-        tunix_call_signature(policy.model)
         # Reference: none (beta 0), the policy with adapters zeroed (LoRA), or a frozen copy.
         self.ref_kind = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
         self.ref_model = None
         if self.ref_kind == "model":
             self.ref_model = load_reference(spec, policy, mesh)
-            tunix_call_signature(self.ref_model)
 
         self.rollout_config = base_rollout.RolloutConfig(
             max_tokens_to_generate=g.max_completion_length,
