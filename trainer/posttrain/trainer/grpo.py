@@ -267,7 +267,11 @@ class GrpoRun:
         )
         with jax.set_mesh(mesh):
             self.cluster = rlc.RLCluster(
-                actor=policy.model,
+                # The sampler's model (and what Tunix copies onto a sampler mesh or a host)
+                # does not rematerialise: Tunix's sampler cannot run nnx.remat, and
+                # generation has no backward pass. The view holds the policy's Variables,
+                # which the train step (on policy.model, rematerialised) updates.
+                actor=models.without_remat(policy.model),
                 reference=None,  # computed in the train step (see module docstring)
                 tokenizer=self.tok,
                 cluster_config=cluster_config,

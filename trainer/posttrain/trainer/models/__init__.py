@@ -40,6 +40,7 @@ from posttrain.trainer.models.generation import (
     forward,
     greedy_generate,
     init_cache,
+    without_remat,
 )
 from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
 from posttrain.trainer.models.param_map import ParamMap
@@ -69,5 +70,6 @@ __all__ = [
     "read_hf_config",
     "resolve_remat",
     "rope_inv_freq",
+    "without_remat",
     "write_safetensors",
 ]
