@@ -1,8 +1,8 @@
 """The model a run trains (`Policy`): spec.model loaded on the mesh with spec.lora's
-adapters (`load_policy`), a frozen copy of it (`load_reference`, DPO's and GRPO's
-reference of a full fine-tune), and its trainable state as a checkpoint holds it: the trainable
-params and the optimizer state (`trainable_state`, `restore_into`), with the optimizer
-state laid out like the params before a restore (`shard_like_params`)."""
+adapters (`load_policy`), a frozen copy of it (`load_reference`: DPO's and GRPO's
+reference of a full fine-tune), and its trainable state as a checkpoint holds it: the
+trainable params and the optimizer state (`trainable_state`, `restore_into`), with the
+optimizer state laid out like the params before a restore (`shard_like_params`)."""
 
 from __future__ import annotations
 

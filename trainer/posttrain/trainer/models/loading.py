@@ -79,11 +79,15 @@ def abstract_model(info: ModelInfo, extras: dict, mesh=None) -> nnx.Module:
     cls = model_class(info.family)
     # Llama 3 and Qwen3: their attention layers take config.json's RoPE (models.rope).
     rope = {"rope_inv_freq": extras["rope_inv_freq"]} if "rope_inv_freq" in extras else {}
+
+    def build() -> nnx.Module:
+        return cls(info.config, rngs=nnx.Rngs(params=0), **rope)
+
     if mesh is not None:
         with jax.set_mesh(mesh):
-            model = nnx.eval_shape(lambda: cls(info.config, rngs=nnx.Rngs(params=0), **rope))
+            model = nnx.eval_shape(build)
     else:
-        model = nnx.eval_shape(lambda: cls(info.config, rngs=nnx.Rngs(params=0), **rope))
+        model = nnx.eval_shape(build)
     _configure(model, info, extras)
     return model
 
