@@ -100,7 +100,7 @@ def estimate(spec: PostTrainJobSpec, placement: Placement) -> HostEstimate | Non
     if placement.kind != "cpu":
         return None
     training = spec.training
-    if str(training.remat) == "auto":  # the trainer's CPU choice (models.remat_policy)
+    if str(training.remat) == "auto":  # the trainer's CPU choice (models.resolve_remat)
         training = training.model_copy(update={"remat": "none"})
     cpu_spec = spec.model_copy(update={"training": training})
     if spec.resources.memory:

@@ -46,6 +46,7 @@ def job(
                 "batchSize": 4,
                 "learningRate": 0.05,
                 "schedule": "constant",
+                "remat": "layer",  # the trainer's; the sampler's copy runs without remat
                 "logEverySteps": 1,
                 "seed": 0,
             },
@@ -71,6 +72,10 @@ def job(
 
 def ids(devices) -> list[int]:
     return sorted(d.id for d in devices)
+
+
+def remat_configs(model) -> list[str]:
+    return sorted({layer.config.remat_config.name for layer in model.layers})
 
 
 def nbytes(tree) -> int:
@@ -105,6 +110,8 @@ def placement(model: str, prompts: str, out: str) -> dict:
         "policy_on": ids(rl_placement.devices_of(nnx.state(policy.model))),
         "optimizer_on": ids(rl_placement.devices_of(nnx.state(run.opt))),
         "sampler_model_on": ids(rl_placement.devices_of(nnx.state(sampler_model()))),
+        "policy_remat": remat_configs(policy.model),
+        "sampler_remat": remat_configs(sampler_model()),
         "snapshot_on": ids(rl_placement.devices_of(snapshot)),
         "snapshot_leaves": len(jax.tree.leaves(snapshot)),
         "lora_leaves": len(lora_trainer),

@@ -16,7 +16,6 @@ from flax import nnx
 
 from posttrain.api.spec import DpoSpec
 from posttrain.trainer import distill, dpo, grpo, models, optim, sft
-from posttrain.trainer.tunix_rl import tunix_call_signature
 
 pytestmark = pytest.mark.trainer
 ROWS, LENGTH, VOCAB = 4, 16, 400
@@ -88,15 +87,12 @@ def build(technique, model_dir):
     config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04,
                                      epsilon=0.2, loss_algo="grpo", kl_loss_mode="low_var_kl")  # fmt: skip
     config.temperature = 0.9
-    tunix_call_signature(frozen)
     step = lambda: grpo.make_train_step(nnx.Param, config, 0, 2, 2, "model")  # noqa: E731
     return step, (frozen,), grpo_batch()
 
 
 def one_step(model_dir, make_step, args, batch):
     model, _ = models.load_model(model_dir)
-    if args:
-        tunix_call_signature(model)
     opt = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
                         wrt=nnx.Param)  # fmt: skip
     out = make_step()(model, opt, *args, batch)

@@ -3,9 +3,11 @@ process (the Pathways programming model: one controller sees every device), in a
 subprocess (grpo_placement_check.py: XLA_FLAGS must come before jax).
 
 Holds: the sampler's arrays live only on the sampler's devices and the trainer's only on
-the trainer's; a weight sync moves only the trainable (LoRA) params; rollout and train step run at the same time (their
-wall-clock intervals overlap); no rollout is older than maxStaleness versions; a run
-killed after a checkpoint and resumed ends bitwise where the uninterrupted run ended."""
+the trainer's; the trainer rematerialises (remat layer) and the sampler's copy does not;
+a weight sync moves only the trainable (LoRA) params; rollout and train step run at the
+same time (their wall-clock intervals overlap); no rollout is older than maxStaleness
+versions; a run killed after a checkpoint and resumed ends bitwise where the
+uninterrupted run ended."""
 
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def test_disaggregated_async_grpo_on_eight_devices(tmp_path, compilation_cache):
     assert len(trainer) == 6 and len(sampler) == 2 and not trainer & sampler  # 0.25 of 8
     assert set(p["policy_on"]) <= trainer and set(p["optimizer_on"]) <= trainer
     assert set(p["sampler_model_on"]) == sampler
+    # The trainer rematerialises (remat layer); Tunix's sampler cannot, its copy does not.
+    assert p["policy_remat"] == ["DECODER"] and p["sampler_remat"] == ["NONE"]
     # A weight sync moves the adapters only, onto the sampler's devices.
     assert set(p["snapshot_on"]) <= sampler
     assert p["snapshot_leaves"] == p["lora_leaves"] < p["param_leaves"]

@@ -76,16 +76,17 @@ def test_padded_batch_matches_unpadded(loaded):
 
 
 def test_rope_frequencies_come_from_config(loaded):
-    """Tunix's llama3 attention ignores rope_theta; the loader must not."""
-    model, _ = loaded("llama3")
-    own = model.posttrain_rope_inv_freq
-    assert own is not None
+    """Tunix's llama3 attention ignores rope_theta; the loader must not: every attention
+    layer holds config.json's frequencies and rotates with them."""
+    model, info = loaded("llama3")
+    own = models.build_config("llama3", info.hf_config)[1]["rope_inv_freq"]
+    assert [layer.attn.rope_inv_freq for layer in model.layers] == [own] * info.num_layers
     ids, expected = golden("llama3")
-    model.posttrain_rope_inv_freq = None  # Tunix's own RoPE (theta 1e6, no llama3 scaling)
-    try:
-        off = np.abs(np.asarray(models.forward(model, ids)) - expected).max()
-    finally:
-        model.posttrain_rope_inv_freq = own
+    # The same weights rotated as Tunix's own RoPE does (theta 1e6, no llama3 scaling).
+    tunix = nnx.merge(*nnx.split(model))
+    for layer in tunix.layers:
+        layer.attn.rope_inv_freq = tuple(float(x) for x in models.rope_inv_freq(1e6, info.head_dim))
+    off = np.abs(np.asarray(models.forward(tunix, ids)) - expected).max()
     assert off > 100 * TOL
     np.testing.assert_allclose(np.asarray(models.forward(model, ids)), expected, atol=TOL, rtol=0)
 

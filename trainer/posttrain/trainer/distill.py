@@ -128,6 +128,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
         family=teacher_spec.family,
         mesh=mesh,
         dtype=DTYPES[teacher_spec.dtype],
+        remat=spec.training.remat,
     )
     if info.vocab_size != student.vocab_size:
         raise ValueError(

@@ -30,8 +30,8 @@ import optax
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec
-from posttrain.trainer import evaluate, loop, models, optim, sources
-from posttrain.trainer.policy import DTYPES
+from posttrain.trainer import evaluate, loop, models, optim
+from posttrain.trainer.policy import load_reference
 
 BATCH_KEYS = (
     "prompt_ids",
@@ -206,14 +206,7 @@ def train(run: loop.RunSetup) -> loop.Result:
             reference = "lora"
         else:
             reference = "model"
-            ref_model, _ = models.load_model(
-                policy.model_dir,
-                num_layers=spec.model.layers,
-                weights=sources.weights_uri(spec.model.source),
-                family=spec.model.family,
-                mesh=run.mesh,
-                dtype=DTYPES[spec.model.dtype],
-            )
+            ref_model = load_reference(spec, policy, run.mesh)
     opt = run.optimizer()
     step_fn = make_train_step(policy.wrt, settings, spec.training.gradient_accumulation, reference)
 

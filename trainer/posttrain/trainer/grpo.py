@@ -54,16 +54,14 @@ from posttrain.trainer import (
     rewards,
     rl_losses,
     rl_placement,
-    sources,
 )
 from posttrain.trainer.distributed import ProcessInfo
-from posttrain.trainer.policy import DTYPES, Policy
+from posttrain.trainer.policy import Policy, load_reference
 from posttrain.trainer.tunix_rl import (
     TunixTokenizer,
     check_rollout_engine,
     local_mesh,
     make_host_local_rollout_class,
-    tunix_call_signature,
 )
 
 log = logging.getLogger("posttrain.grpo")
@@ -217,20 +215,11 @@ class GrpoRun:
         )
         self.reward_names = [fn.__name__ for fn in self.reward_fns]
 
-        tunix_call_signature(policy.model)
         # Reference: none (beta 0), the policy with adapters zeroed (LoRA), or a frozen copy.
         self.ref_kind = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
         self.ref_model = None
         if self.ref_kind == "model":
-            self.ref_model, _ = models.load_model(
-                policy.model_dir,
-                num_layers=spec.model.layers,
-                weights=sources.weights_uri(spec.model.source),
-                family=spec.model.family,
-                mesh=mesh,
-                dtype=DTYPES[spec.model.dtype],
-            )
-            tunix_call_signature(self.ref_model)
+            self.ref_model = load_reference(spec, policy, mesh)
 
         self.rollout_config = base_rollout.RolloutConfig(
             max_tokens_to_generate=g.max_completion_length,
@@ -286,7 +275,11 @@ class GrpoRun:
         )
         with jax.set_mesh(mesh):
             self.cluster = rlc.RLCluster(
-                actor=policy.model,
+                # The sampler's model (and what Tunix copies onto a sampler mesh or a host)
+                # does not rematerialise: Tunix's sampler cannot run nnx.remat, and
+                # generation has no backward pass. The view holds the policy's Variables,
+                # which the train step (on policy.model, rematerialised) updates.
+                actor=models.without_remat(policy.model),
                 reference=None,  # computed in the train step (see module docstring)
                 tokenizer=self.tok,
                 cluster_config=cluster_config,

@@ -67,13 +67,11 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     if in_pod and (code := _preflight_exit(job, None, "spec.output.uri")) is not None:
         return code
     from posttrain.trainer.loop import Interrupted, StopFlag, train
-    from posttrain.trainer.models import remat_policy
 
     stop = StopFlag()
     stop.install()
     try:
-        with remat_policy(job.spec.training.remat):  # every model the job loads
-            result = train(job, info, show_bar=show_bar, stop=stop)
+        result = train(job, info, show_bar=show_bar, stop=stop)
     except Interrupted as e:  # before the first step: nothing to save
         print(f"posttrain: {e} before the first step; nothing saved", file=sys.stderr)
         return STOPPED_EXIT_CODE if e.signum == signal.SIGTERM else INTERRUPTED_EXIT_CODE

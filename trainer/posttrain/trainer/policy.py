@@ -1,7 +1,8 @@
 """The model a run trains (`Policy`): spec.model loaded on the mesh with spec.lora's
-adapters (`load_policy`), and its trainable state as a checkpoint holds it: the trainable
-params and the optimizer state (`trainable_state`, `restore_into`), with the optimizer
-state laid out like the params before a restore (`shard_like_params`)."""
+adapters (`load_policy`), a frozen copy of it (`load_reference`: DPO's and GRPO's
+reference of a full fine-tune), and its trainable state as a checkpoint holds it: the
+trainable params and the optimizer state (`trainable_state`, `restore_into`), with the
+optimizer state laid out like the params before a restore (`shard_like_params`)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
         dtype=compute if spec.lora else jnp.float32,
         compute_dtype=compute,
         vision=spec.data.columns.images is not None,
+        remat=spec.training.remat,
     )
     wrt: Any = nnx.Param
     if info.vision:  # the vision tower frozen unless spec.training.trainVisionTower
@@ -97,3 +99,17 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             peft_format.load_peft_adapter(model, adapter, info)
         wrt = nnx.LoRAParam
     return Policy(model, info, wrt, info.model_dir)
+
+
+def load_reference(spec: Any, policy: Policy, mesh: jax.sharding.Mesh) -> nnx.Module:
+    """A frozen copy of spec.model (without adapters) on the mesh, in spec.model.dtype."""
+    model, _ = models.load_model(
+        policy.model_dir,
+        num_layers=spec.model.layers,
+        weights=sources.weights_uri(spec.model.source),
+        family=spec.model.family,
+        mesh=mesh,
+        dtype=DTYPES[spec.model.dtype],
+        remat=spec.training.remat,
+    )
+    return model

@@ -81,7 +81,6 @@ def compiled_memory(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> dict[str
     """memory_analysis() of one device for the job's compiled train step on `mesh`."""
     from posttrain.trainer import distill, dpo, grpo, lora, sft
     from posttrain.trainer.models import vision as vision_lib
-    from posttrain.trainer.tunix_rl import tunix_call_signature
 
     t, technique = spec.training, str(spec.technique)
     remat = remat_on_accelerator(spec)
@@ -153,8 +152,7 @@ def compiled_memory(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> dict[str
             )  # fmt: skip
             config.temperature = g.temperature
             use_ref = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
-            tunix_call_signature(model)
-            reference = tunix_call_signature(frozen()) if use_ref == "model" else None
+            reference = frozen() if use_ref == "model" else None
             step = grpo.make_train_step(wrt, config, 0, 1, t.gradient_accumulation, use_ref)
             rows_n = n * g.num_generations
             shapes = {

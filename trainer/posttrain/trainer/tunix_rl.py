@@ -1,12 +1,11 @@
 """posttrain's pieces in the shapes Tunix's RL stack takes, for GRPO (``grpo``): the
-tokenizer (``TunixTokenizer``), a model's call signature (``tunix_call_signature``), a
-rollout on a host-local replica of the policy (``make_host_local_rollout_class``) and
-the rollout engines this image has (``check_rollout_engine``)."""
+tokenizer (``TunixTokenizer``), a rollout on a host-local replica of the policy
+(``make_host_local_rollout_class``) and the rollout engines this image has
+(``check_rollout_engine``)."""
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 from typing import Any
 
@@ -62,48 +61,6 @@ class TunixTokenizer:
 
     def pad_id(self) -> int:
         return self._pad
-
-
-_TUNIX_CALL_CLASSES: dict[type, type] = {}
-
-
-def tunix_call_signature(model: nnx.Module) -> nnx.Module:
-    """Make `model` callable by Tunix's RL code; returns it (changed in place).
-
-    Tunix's ``compute_per_token_logps`` passes ``segment_ids`` to any model whose
-    ``__call__`` takes ``**kwargs``. posttrain's Llama3 (``models.Llama3``, and qwix's
-    LoRA subclass of it) takes ``*args, **kwargs`` and forwards them to Tunix's Llama3,
-    which has no ``segment_ids``. This gives the instance a subclass whose ``__call__``
-    shows the signature of the Tunix model it wraps (as qwix itself swaps the class of a
-    model it adapts). A model whose ``__call__`` has an explicit signature is unchanged.
-    """
-    cls = type(model)
-    params = inspect.signature(cls.__call__).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return model
-    wrapped = next(
-        (
-            vars(b)["__call__"]
-            for b in cls.__mro__
-            if b.__module__.startswith("tunix.") and "__call__" in vars(b)
-        ),
-        None,
-    )
-    if wrapped is None:
-        return model
-    signature = inspect.signature(wrapped)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
-        return model
-    if cls not in _TUNIX_CALL_CLASSES:
-        call = cls.__call__
-
-        def __call__(self, *args, **kwargs):
-            return call(self, *args, **kwargs)
-
-        __call__.__signature__ = signature  # type: ignore[attr-defined]
-        _TUNIX_CALL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-    model.__class__ = _TUNIX_CALL_CLASSES[cls]
-    return model
 
 
 def local_mesh() -> jax.sharding.Mesh:

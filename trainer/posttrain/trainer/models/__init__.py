@@ -30,7 +30,6 @@ from posttrain.trainer.models.config import (
     detect_family,
     model_info,
     read_hf_config,
-    remat_policy,
     resolve_remat,
 )
 from posttrain.trainer.models.families import FAMILIES
@@ -41,6 +40,7 @@ from posttrain.trainer.models.generation import (
     forward,
     greedy_generate,
     init_cache,
+    without_remat,
 )
 from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
 from posttrain.trainer.models.param_map import ParamMap
@@ -68,8 +68,8 @@ __all__ = [
     "model_info",
     "param_maps",
     "read_hf_config",
-    "remat_policy",
     "resolve_remat",
     "rope_inv_freq",
+    "without_remat",
     "write_safetensors",
 ]

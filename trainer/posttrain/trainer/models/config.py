@@ -8,8 +8,6 @@ directory's config into the ``ModelInfo`` the loader, the saver and LoRA share.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import json
 import os
@@ -56,24 +54,12 @@ class ModelInfo:
 # spec.training.remat -> the name of the Tunix RematConfig member every family's model has:
 # DECODER wraps a whole decoder layer in nnx.remat, BLOCK its attention and its MLP apart.
 REMAT_CONFIGS = {"none": "NONE", "block": "BLOCK", "layer": "DECODER"}
-_REMAT = contextvars.ContextVar("posttrain_remat", default="auto")
 
 
-@contextlib.contextmanager
-def remat_policy(remat: str):
-    """spec.training.remat for the models loaded inside (the job's policy and its
-    reference or teacher copies), where the caller does not pass ``remat``."""
-    token = _REMAT.set(str(remat))
-    try:
-        yield
-    finally:
-        _REMAT.reset(token)
-
-
-def resolve_remat(remat: str | None = None) -> str:
+def resolve_remat(remat: str) -> str:
     """none, block or layer: ``auto`` (the default) is layer on accelerators (TPU, GPU)
     and none on CPU, where models are small and recomputing only slows the step."""
-    remat = str(remat or _REMAT.get())
+    remat = str(remat)
     if remat == "auto":
         return "none" if jax.default_backend() == "cpu" else "layer"
     if remat not in REMAT_CONFIGS:
@@ -307,12 +293,12 @@ def model_info(
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
     vision: bool = False,
-    remat: str | None = None,
+    remat: str = "auto",
 ) -> tuple[ModelInfo, dict]:
     """ModelInfo (and config extras) of a HF checkpoint directory, without loading weights.
     ``num_layers`` keeps only the first decoder layers (``layers_field`` in errors);
     ``vision`` adds Gemma 3's vision tower (``posttrain.trainer.models.vision``);
-    ``remat`` is spec.training.remat (default: the ``remat_policy`` in force, else auto)."""
+    ``remat`` is spec.training.remat: a job passes its own (``resolve_remat``)."""
     model_dir = Path(model_dir)
     if family in (None, "", "auto"):
         family = detect_family(model_dir)

@@ -37,6 +37,29 @@ def compute_view(model: nnx.Module) -> nnx.Module:
     return nnx.merge(graphdef, params, rest)
 
 
+def without_remat(model: nnx.Module) -> nnx.Module:
+    """A view of ``model`` that does not rematerialise, for code that runs it under a
+    plain ``jax.jit`` (Tunix's sampler merges the model inside its jitted decoding loop,
+    where ``nnx.remat`` fails): its very Variables, so no weight is copied and an update
+    of either is the other's, in modules whose Tunix remat setting is none. ``model``
+    itself when it does not rematerialise."""
+    remat = getattr(model.config, "remat_config", None)
+    if remat is None or remat.name == "NONE":
+        return model
+    none = type(remat)["NONE"]
+    view = nnx.merge(*nnx.split(model))  # new modules over the same Variables
+    configs: dict[int, Any] = {}
+    for _, module in nnx.iter_modules(view):
+        config = getattr(module, "config", None)
+        if getattr(config, "remat_config", None) is not None:
+            if id(config) not in configs:
+                configs[id(config)] = dataclasses.replace(config, remat_config=none)
+            module.config = configs[id(config)]
+        if getattr(module, "remat_config", None) is not None:  # Gemma's attention
+            module.remat_config = none
+    return view
+
+
 @nnx.jit
 def _forward(model, tokens, positions, mask):
     logits, _ = compute_view(model)(tokens, positions, None, mask)

@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 def _configure(model: nnx.Module, info: ModelInfo, extras: dict) -> None:
     """Static settings the Tunix constructor cannot take (set on the abstract model)."""
     model.posttrain_compute_dtype = info.compute_dtype
-    if "rope_inv_freq" in extras:
-        model.posttrain_rope_inv_freq = extras["rope_inv_freq"]
     if info.family == "gemma3":  # Tunix hard-codes a 5 local : 1 global pattern
         cfg = info.config
         for layer, kind in zip(model.layers, info.layer_types, strict=True):
@@ -79,11 +77,17 @@ def _np_dtype(dtype: Any) -> np.dtype:
 def abstract_model(info: ModelInfo, extras: dict, mesh=None) -> nnx.Module:
     """The Tunix model with abstract (shape-only) params."""
     cls = model_class(info.family)
+    # Llama 3 and Qwen3: their attention layers take config.json's RoPE (models.rope).
+    rope = {"rope_inv_freq": extras["rope_inv_freq"]} if "rope_inv_freq" in extras else {}
+
+    def build() -> nnx.Module:
+        return cls(info.config, rngs=nnx.Rngs(params=0), **rope)
+
     if mesh is not None:
         with jax.set_mesh(mesh):
-            model = nnx.eval_shape(lambda: cls(info.config, rngs=nnx.Rngs(params=0)))
+            model = nnx.eval_shape(build)
     else:
-        model = nnx.eval_shape(lambda: cls(info.config, rngs=nnx.Rngs(params=0)))
+        model = nnx.eval_shape(build)
     _configure(model, info, extras)
     return model
 
@@ -99,7 +103,7 @@ def load_model(
     num_layers: int | None = None,
     layers_field: str = "spec.model.layers",
     vision: bool = False,
-    remat: str | None = None,
+    remat: str = "auto",
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).

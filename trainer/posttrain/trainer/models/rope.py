@@ -2,16 +2,26 @@
 
 Tunix 0.1.7's llama3 and qwen3 attention ignore ``ModelConfig.rope_theta`` (they always
 use 1e6) and know no RoPE scaling. This module computes the inverse frequencies from
-``config.json`` exactly as ``transformers`` does and feeds them to those two models: their
-``apply_rope`` is wrapped (``_install_rope_patch``, on import) to rotate with the
-frequencies of the posttrain model that is running, and ``Llama3`` / ``Qwen3`` are the
-Tunix classes that set them while they run.
+``config.json`` exactly as ``transformers`` does (``rope_inv_freq``) and hands them to each
+attention layer of the two models:
+
+- ``Llama3`` and ``Qwen3`` are the Tunix models built with ``rope_inv_freq=``: they make
+  each decoder layer's attention a ``Llama3Attention`` / ``Qwen3Attention`` (a subclass
+  of Tunix's attention class) holding the frequencies in its static attribute
+  ``rope_inv_freq``, part of the model's graph definition, so ``nnx.split``/``merge``,
+  LoRA and copies of the model keep them;
+- Tunix's ``Attention.block`` rotates with the ``apply_rope`` of its module's globals.
+  The subclasses' ``block`` runs Tunix's very ``block`` code from a copy of the function
+  whose globals differ in that one name, bound to ``rotate`` with the layer's
+  frequencies (``_rotating_block``). Nothing global is patched and no state is read at
+  run time: a Tunix model built by anyone else rotates as Tunix does.
 """
 
 from __future__ import annotations
 
-import contextvars
+import functools
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -20,65 +30,84 @@ import numpy as np
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
-_ROPE_INV_FREQ: contextvars.ContextVar[tuple[float, ...] | None] = contextvars.ContextVar(
-    "posttrain_rope_inv_freq", default=None
-)
+
+def rotate(inputs, positions, head_dim, rope_theta=None, *, inv_freq: tuple[float, ...]):
+    """RoPE of ``inputs`` [B, T, heads, head_dim] at ``positions`` [B, T] with
+    ``inv_freq`` (Tunix's ``apply_rope`` arguments; its ``rope_theta`` is ignored)."""
+    if len(inv_freq) != head_dim // 2:
+        raise ValueError(f"RoPE: {len(inv_freq)} frequencies for head_dim {head_dim}")
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    freqs = freqs[..., None, :]  # [B, T, 1, head_dim/2]
+    sin = jnp.sin(freqs).astype(inputs.dtype)
+    cos = jnp.cos(freqs).astype(inputs.dtype)
+    first, second = jnp.split(inputs, 2, axis=-1)
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(inputs.dtype)
 
 
-def _make_rope_fn(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a Tunix ``apply_rope(inputs, positions, head_dim, rope_theta=1e6)``.
-
-    While a posttrain model runs (``_ROPE_INV_FREQ`` set), it rotates with that model's
-    inverse frequencies, computed as ``transformers`` computes them; otherwise it is the
-    original function, so other users of Tunix see no change.
-    """
-
-    def apply_rope(inputs, positions, head_dim, rope_theta=1_000_000):
-        inv_freq = _ROPE_INV_FREQ.get()
-        if inv_freq is None:
-            return original(inputs, positions, head_dim=head_dim, rope_theta=rope_theta)
-        if len(inv_freq) != head_dim // 2:
-            raise ValueError(f"RoPE: {len(inv_freq)} frequencies for head_dim {head_dim}")
-        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-        freqs = freqs[..., None, :]  # [B, T, 1, head_dim/2]
-        sin = jnp.sin(freqs).astype(inputs.dtype)
-        cos = jnp.cos(freqs).astype(inputs.dtype)
-        first, second = jnp.split(inputs, 2, axis=-1)
-        out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-        return out.astype(inputs.dtype)
-
-    apply_rope._posttrain_original = original  # type: ignore[attr-defined]
-    return apply_rope
+@functools.cache
+def _rotating_block(block: Callable[..., Any], inv_freq: tuple[float, ...]) -> Callable:
+    """Tunix's ``Attention.block`` with its global ``apply_rope`` bound to ``rotate``."""
+    namespace = {**block.__globals__, "apply_rope": functools.partial(rotate, inv_freq=inv_freq)}
+    return types.FunctionType(
+        block.__code__, namespace, block.__name__, block.__defaults__, block.__closure__
+    )
 
 
-def _install_rope_patch() -> None:
-    for lib in (llama3_lib, qwen3_lib):
-        if not hasattr(lib.apply_rope, "_posttrain_original"):
-            lib.apply_rope = _make_rope_fn(lib.apply_rope)
+def _rotating(tunix_attention: type) -> Callable[..., Any]:
+    """A ``block`` method: Tunix's, rotating with the layer's ``rope_inv_freq``."""
+
+    def block(self, *args, **kwargs):
+        rotating = _rotating_block(tunix_attention.block, self.rope_inv_freq)
+        return rotating(self, *args, **kwargs)
+
+    return block
 
 
-_install_rope_patch()
+class Llama3Attention(llama3_lib.Attention):
+    """Tunix's llama3 attention rotating with its ``rope_inv_freq`` (config.json's)."""
+
+    rope_inv_freq: tuple[float, ...]
+    block = _rotating(llama3_lib.Attention)
+
+
+class Qwen3Attention(qwen3_lib.Attention):
+    """Tunix's qwen3 attention rotating with its ``rope_inv_freq`` (config.json's)."""
+
+    rope_inv_freq: tuple[float, ...]
+    block = _rotating(qwen3_lib.Attention)
+
+
+for _tunix in (llama3_lib, qwen3_lib):  # a Tunix whose attention rotates otherwise
+    if "apply_rope" not in _tunix.Attention.block.__code__.co_names:
+        raise ImportError(f"posttrain: {_tunix.__name__}.Attention.block calls no apply_rope")
 
 
 class _RopeFromConfig:
-    """Mixin: runs the Tunix model with the RoPE frequencies of its HF config."""
+    """Mixin over a Tunix model: its attention layers rotate with ``rope_inv_freq``
+    (None: as Tunix does)."""
 
-    posttrain_rope_inv_freq: tuple[float, ...] | None = None
+    _attention: type
 
-    def __call__(self, *args, **kwargs):
-        token = _ROPE_INV_FREQ.set(self.posttrain_rope_inv_freq)
-        try:
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            _ROPE_INV_FREQ.reset(token)
+    def __init__(self, config, *, rngs, rope_inv_freq: tuple[float, ...] | None = None):
+        super().__init__(config, rngs=rngs)  # type: ignore[call-arg]
+        if rope_inv_freq is None:
+            return
+        for layer in self.layers:  # type: ignore[attr-defined]
+            layer.attn.__class__ = self._attention
+            layer.attn.rope_inv_freq = tuple(float(f) for f in rope_inv_freq)
 
 
 class Llama3(_RopeFromConfig, llama3_lib.Llama3):
     """Tunix Llama3 with the RoPE frequencies of config.json (Tunix ignores rope_theta)."""
 
+    _attention = Llama3Attention
+
 
 class Qwen3(_RopeFromConfig, qwen3_lib.Qwen3):
     """Tunix Qwen3 with the RoPE frequencies of config.json (Tunix ignores rope_theta)."""
+
+    _attention = Qwen3Attention
 
 
 def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None = None) -> np.ndarray:
