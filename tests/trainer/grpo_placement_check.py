@@ -29,9 +29,7 @@ from posttrain.trainer.loop import train  # noqa: E402
 from posttrain.trainer.policy import load_policy  # noqa: E402
 
 
-def job(
-    model: str, prompts: str, out: str, steps: int, staleness: int, every: int, loss: str
-):
+def job(model: str, prompts: str, out: str, steps: int, staleness: int, every: int, loss: str):
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",

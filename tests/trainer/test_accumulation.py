@@ -150,7 +150,6 @@ def test_grpo_losses_with_accumulation_match_one_batch(model_dir, algorithm):
     config = rl_losses.algo_config(g, grpo_learner.GRPOConfig)
     config.temperature = 0.9
     frozen, _ = models.load_model(model_dir)
-    tunix_call_signature(frozen)
     batch = grpo_batch()
     results = [
         one_step(
