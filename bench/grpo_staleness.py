@@ -14,7 +14,9 @@ Two tasks (--task):
 
 Prints, per maxStaleness, the mean training reward of the first and last `--window`
 steps and the gap to the on-policy run (the stated tolerance: within 0.1 of the
-on-policy final reward).
+on-policy final reward). With --seeds, each maxStaleness runs once per seed and the
+means over the seeds are compared (one prompt a step, as the arithmetic example has, makes
+a single run's curve depend on when a sample first hits the format).
 
     python bench/grpo_staleness.py [--task say] [--steps 30] [--devices 8] [--window 5]
     python bench/grpo_staleness.py --task arithmetic --devices 2 --window 10
@@ -112,7 +114,7 @@ def say_task(root: Path, steps: int):
         show_bar=False,
     )
 
-    def spec(k: int, out: Path) -> dict:
+    def spec(k: int, seed: int, out: Path) -> dict:
         return {
             "technique": "grpo",
             "model": {"source": str(root / "sft" / "hf"), "dtype": "float32"},
@@ -123,7 +125,7 @@ def say_task(root: Path, steps: int):
                 "learningRate": 0.002,
                 "schedule": "constant",
                 "logEverySteps": 1,
-                "seed": 0,
+                "seed": seed,
             },
             "grpo": {
                 "numGenerations": 4,
@@ -154,11 +156,11 @@ def arithmetic_task(steps: int):
     if not (model / "config.json").exists():
         sys.exit(f"{model}: not found; `make demo` (or posttrain convert-gguf) makes it")
 
-    def spec(k: int, out: Path) -> dict:
+    def spec(k: int, seed: int, out: Path) -> dict:
         s = json.loads(json.dumps(base))
         s["model"]["source"] = str(model)
         s["data"]["source"] = str(ROOT / s["data"]["source"])
-        s["training"].update(steps=steps, seed=0)
+        s["training"].update(steps=steps, seed=seed)
         s["grpo"].update(
             rollout={"placement": "disaggregated", "samplerFraction": 0.5}, maxStaleness=k
         )
@@ -180,6 +182,7 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = p.parse_args()
     root = Path(tempfile.mkdtemp())
     if args.task == "say":
@@ -188,39 +191,57 @@ def main() -> int:
         spec_for, title = arithmetic_task(args.steps)
     results = {}
     for k in args.staleness:
-        out = root / f"grpo-{k}"
-        start = time.monotonic()
-        result = train(job(spec_for(k, out)), ProcessInfo(None, 1, 0), show_bar=False)
-        tb = scalars(out / "tensorboard")
-        reward = [tb["train/reward"][s] for s in sorted(tb["train/reward"])]
-        stale = [tb["train/staleness"][s] for s in sorted(tb["train/staleness"])]
-        evals = result.evals
-        results[k] = {
-            "first": float(np.mean(reward[: args.window])),
-            "last": float(np.mean(reward[-args.window :])),
-            "pass_rate": evals[args.steps]["pass_rate"] if args.steps in evals else None,
-            "pass_rate_0": evals[0]["pass_rate"] if 0 in evals else None,
-            "max_staleness_seen": max(stale),
-            "seconds": time.monotonic() - start,
-        }
-        print(f"maxStaleness {k}: rewards {[round(r, 3) for r in reward]}", flush=True)
-    print(f"{title}; sampler 0.5 of {jax.device_count()} CPU devices")
+        runs = []
+        for seed in args.seeds:
+            out = root / f"grpo-{k}-{seed}"
+            start = time.monotonic()
+            result = train(job(spec_for(k, seed, out)), ProcessInfo(None, 1, 0), show_bar=False)
+            tb = scalars(out / "tensorboard")
+            reward = [tb["train/reward"][s] for s in sorted(tb["train/reward"])]
+            stale = [tb["train/staleness"][s] for s in sorted(tb["train/staleness"])]
+            evals = result.evals
+            runs.append(
+                {
+                    "first": float(np.mean(reward[: args.window])),
+                    "last": float(np.mean(reward[-args.window :])),
+                    "pass_rate": evals[args.steps]["pass_rate"] if args.steps in evals else None,
+                    "pass_rate_0": evals[0]["pass_rate"] if 0 in evals else None,
+                    "max_staleness_seen": max(stale),
+                    "seconds": time.monotonic() - start,
+                }
+            )
+            print(
+                f"maxStaleness {k} seed {seed}: rewards {[round(r, 3) for r in reward]}", flush=True
+            )
+        results[k] = runs
+    seeds = f"seeds {', '.join(map(str, args.seeds))}"
+    print(f"{title}; sampler 0.5 of {jax.device_count()} CPU devices; {seeds}")
+
+    def mean(runs: list[dict], key: str) -> float:
+        return float(np.mean([r[key] for r in runs]))
+
     ref = results.get(0)
-    for k, r in results.items():
-        gap = "" if ref is None else f"  gap to on-policy {r['last'] - ref['last']:+.3f}"
+    for k, runs in results.items():
+        gap = (
+            ""
+            if ref is None
+            else f"  gap to on-policy {mean(runs, 'last') - mean(ref, 'last'):+.3f}"
+        )
         held = (
             ""
-            if r["pass_rate"] is None
-            else f", held-out pass rate {r['pass_rate_0']:.2f} -> {r['pass_rate']:.2f}"
+            if runs[0]["pass_rate"] is None
+            else f", held-out pass rate {mean(runs, 'pass_rate_0'):.2f} -> {mean(runs, 'pass_rate'):.2f}"
         )
+        per_seed = ", ".join(f"{r['last']:.3f}" for r in runs)
         print(
-            f"maxStaleness {k}: train reward {r['first']:.3f} -> {r['last']:.3f} "
-            f"(mean of first/last {args.window} steps){held}, staleness seen "
-            f"{r['max_staleness_seen']:.0f}, {r['seconds']:.0f} s{gap}"
+            f"maxStaleness {k}: train reward {mean(runs, 'first'):.3f} -> {mean(runs, 'last'):.3f} "
+            f"(mean of first/last {args.window} steps, over the seeds; last per seed {per_seed})"
+            f"{held}, staleness seen {max(r['max_staleness_seen'] for r in runs):.0f}, "
+            f"{mean(runs, 'seconds'):.0f} s a run{gap}"
         )
     if ref is None:
         return 0
-    within = all(r["last"] >= ref["last"] - TOLERANCE for r in results.values())
+    within = all(mean(runs, "last") >= mean(ref, "last") - TOLERANCE for runs in results.values())
     print(f"every run within {TOLERANCE} of the on-policy final reward: {within}")
     return 0
 

@@ -141,6 +141,7 @@ def resume(model: str, prompts: str, out: str) -> dict:
     whole = load_file(str(adapter))
     tb = scalars(Path(out) / "tensorboard")
     staleness, drawn = tb["train/staleness"], tb["train/prompts_drawn"]
+    weight = tb["train/behaviour_weight"]
     shutil.rmtree(Path(out) / "checkpoints" / "4")
     shutil.rmtree(Path(out) / "hf")
     (Path(out) / "summary.json").unlink()
@@ -154,6 +155,7 @@ def resume(model: str, prompts: str, out: str) -> dict:
         and all(np.array_equal(whole[k], resumed[k]) for k in whole),
         "staleness": [staleness[s] for s in sorted(staleness)],
         "prompts_drawn": [drawn[s] for s in sorted(drawn)],
+        "behaviour_weight": [weight[s] for s in sorted(weight)],
         "evals": sorted(first.evals),
     }
 

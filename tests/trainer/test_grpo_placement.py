@@ -77,3 +77,7 @@ def test_disaggregated_async_grpo_on_eight_devices(tmp_path, compilation_cache):
     # On-policy again at each checkpoint step (2), one version behind otherwise.
     assert r["staleness"] == [0, 1, 0, 1]
     assert len(r["prompts_drawn"]) == 4  # DAPO's dynamic sampling ran every step
+    # The sampler's log-probs are the trainer's: where a step trains on its own version's
+    # rollouts the behaviour weight (pi_current / pi_sampler, mean over tokens) is 1.
+    for stale, weight in zip(r["staleness"], r["behaviour_weight"], strict=True):
+        assert abs(weight - 1) < 1e-3 if stale == 0 else 0 < weight <= 2, r

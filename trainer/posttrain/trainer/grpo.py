@@ -137,7 +137,8 @@ def make_train_step(
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     def micro_grads(model, ref_model, mb):
-        """((loss, (kl, clip fraction, entropy)), grads) of one micro-batch."""
+        """((loss, metrics), grads) of one micro-batch: kl, clip fraction, entropy and, for
+        stale rollouts, the mean behaviour weight."""
         example = common.TrainExample(
             prompt_ids=mb["prompt_ids"],
             prompt_mask=mb["prompt_ids"] != pad_id,
@@ -148,7 +149,9 @@ def make_train_step(
             old_per_token_logps=None,
         )
         (loss, aux), grads = grad_fn(model, example, mb.get("behaviour_logps"), mb.get("share"))
-        return (loss, (aux["kl"], aux["pg_clipfrac"], aux["entropy"])), grads
+        names = {"kl": "kl", "pg_clipfrac": "clip_fraction", "entropy": "entropy",
+                 "behaviour_weight": "behaviour_weight"}  # fmt: skip
+        return (loss, {ours: aux[k] for k, ours in names.items() if k in aux}), grads
 
     def step(model, optimizer, ref_model, batch):
         # The micro-batches in a scan (optim.accumulate): one micro-batch's activations
@@ -161,7 +164,7 @@ def make_train_step(
             # batch's tokens (the shares of its rows summed), then averaged as the others.
             tokens = jnp.sum(batch["completion_mask"], axis=-1).astype(jnp.float32)
             learner["share"] = tokens * accumulation / jnp.maximum(jnp.sum(tokens), 1.0)
-        loss, (kl, clip, entropy), grads = optim.accumulate(
+        loss, metrics, grads = optim.accumulate(
             micro_grads, learner, accumulation, model, ref_model
         )
         scale = 1.0 / accumulation
@@ -171,9 +174,7 @@ def make_train_step(
         out = {
             "loss": loss * scale,
             "grad_norm": optax.tree.norm(grads),
-            "kl": kl * scale,
-            "clip_fraction": clip * scale,
-            "entropy": entropy * scale,
+            **{k: v * scale for k, v in metrics.items()},
             "reward": jnp.mean(jnp.sum(batch["rewards"], axis=-1)),
             "reward_std": jnp.std(jnp.sum(batch["rewards"], axis=-1)),
             "reward_parts": jnp.mean(batch["rewards"], axis=0),
