@@ -739,9 +739,13 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
     cluster.apply(policy)
 
     def released() -> bool:
-        (workload,) = json.loads(
-            cluster.kubectl("get", "workloads", "-n", namespace, "-o", "json").stdout
-        )["items"]
+        (workload,) = [
+            w
+            for w in json.loads(
+                cluster.kubectl("get", "workloads", "-n", namespace, "-o", "json").stdout
+            )["items"]
+            if any(o["name"] == "admitted" for o in w["metadata"].get("ownerReferences") or [])
+        ]
         usage = cluster.get("clusterqueue", cq).get("status") or {}
         return (
             workload["spec"].get("active") is False
