@@ -8,6 +8,7 @@ kwok ends a trainer pod according to its image tag (scripts/control-plane/kwok-s
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -568,11 +569,12 @@ def test_queued_jobs_show_their_position(cluster: Cluster, namespace: str, opera
         cluster.delete_all(queue)
 
 
-def deadline_policy(namespace: str) -> list[dict]:
-    """A cluster's Job-level rule, as admins write them: a ValidatingAdmissionPolicy
-    (bound to `namespace` only) that refuses Jobs without spec.activeDeadlineSeconds. The
-    JobSet passes its webhook and posttrain's checks; each of its Jobs is refused."""
-    name = f"{namespace}-deadline"
+def deadline_policy(namespace: str, resource: str = "jobs") -> list[dict]:
+    """A cluster's rule, as admins write them: a ValidatingAdmissionPolicy (bound to
+    `namespace` only) that refuses Jobs (or pods) without spec.activeDeadlineSeconds. The
+    JobSet passes its webhook and posttrain's checks; each of its Jobs (pods) is refused."""
+    name = f"{namespace}-{resource}-deadline"
+    group = "batch" if resource == "jobs" else ""
     policy = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
@@ -580,10 +582,10 @@ def deadline_policy(namespace: str) -> list[dict]:
         "spec": {
             "failurePolicy": "Fail",
             "matchConstraints": {"resourceRules": [
-                {"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
-                 "resources": ["jobs"]}]},
+                {"apiGroups": [group], "apiVersions": ["v1"], "operations": ["CREATE"],
+                 "resources": [resource]}]},
             "validations": [{"expression": "has(object.spec.activeDeadlineSeconds)",
-                             "message": "Jobs need spec.activeDeadlineSeconds"}],
+                             "message": f"{resource.title()} need spec.activeDeadlineSeconds"}],
         },
     }  # fmt: skip
     binding = {
@@ -600,14 +602,37 @@ def deadline_policy(namespace: str) -> list[dict]:
     return [policy, binding]
 
 
+def jobs_of(cluster: Cluster, namespace: str, jobset: str, kind: str = "jobs") -> list[dict]:
+    """The JobSet's Jobs (or pods), by the label the JobSet controller gives them."""
+    label = f"jobset.sigs.k8s.io/jobset-name={jobset}"
+    out = cluster.kubectl("get", kind, "-n", namespace, "-l", label, "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def wait_stopped(cluster: Cluster, namespace: str, name: str) -> None:
+    """Waits until the failed job's JobSet is suspended, and each Job it has made too
+    (the Job controller makes no pod for a suspended Job), with the job's Event."""
+    wait_for(
+        lambda: (
+            cluster.get_jobset(name, namespace)["spec"].get("suspend") is True
+            and all(j["spec"].get("suspend") for j in jobs_of(cluster, namespace, name))
+            and "JobSetSuspended" in reasons(cluster, namespace, name)
+        ),
+        timeout=30,
+        describe=lambda: cluster.describe(namespace, "jobsets,jobs,workloads,pods,events"),
+    )
+
+
 def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
     cluster: Cluster, namespace: str, operator
 ):
     """The API server refusing a JobSet's Jobs shows only as the JobSet controller's
     JobCreationFailed Events (it retries for ever): a quota that passes with time keeps
     the job Pending with the refusal said, and it runs once the quota allows; a rule
-    that stays (a ValidatingAdmissionPolicy) fails the job in the API server's words.
-    Nothing of the job's Secret reaches its status, its Events or the operator's log."""
+    that stays (a ValidatingAdmissionPolicy) fails the job in the API server's words,
+    and its JobSet is suspended: once the rule is gone, its Jobs are made suspended and
+    make no pod. Nothing of the job's Secret reaches its status, its Events or the
+    operator's log."""
     token = "hf_e2e_SECRET_VALUE"
     cluster.core.create_namespaced_secret(
         namespace, {"metadata": {"name": "hf"}, "stringData": {"token": token}}
@@ -647,8 +672,19 @@ def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
         assert "JobCreationFailed" in wait_for(
             lambda: reasons(cluster, namespace, "ruled"), timeout=10
         )
+        wait_stopped(cluster, namespace, "ruled")
     finally:
         cluster.delete_all(policy)
+    # The JobSet controller makes the Jobs at its next retry (its back-off about doubles
+    # the time since the JobSet was made): suspended as their JobSet, so no pod.
+    made = wait_for(
+        lambda: jobs_of(cluster, namespace, "ruled"),
+        timeout=120,
+        describe=lambda: cluster.describe(namespace, "jobsets,jobs,events"),
+    )
+    assert all(j["spec"]["suspend"] for j in made), made
+    assert jobs_of(cluster, namespace, "ruled", "pods") == []
+    assert status(cluster, namespace, "ruled")["phase"] == "Failed"
     for name in ("quota", "ruled"):
         said = str(status(cluster, namespace, name)) + " ".join(
             e.message or "" for e in cluster.core.list_namespaced_event(namespace).items
@@ -662,7 +698,10 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
 ):
     """The API server refusing a Job's pods shows only as the Job controller's
     FailedCreate Events: a ResourceQuota keeps the job Pending with the refusal said
-    until the quota allows the pods; a LimitRange's maximum fails it in its words."""
+    until the quota allows the pods; a LimitRange's maximum fails it in its words, and
+    its JobSet and Jobs are suspended (no more pods are asked for). Under Kueue, whose
+    Workload was admitted for the pods to be asked for at all, the failed job's Workload
+    is deactivated and its quota given back."""
     quota = {"apiVersion": "v1", "kind": "ResourceQuota",
              "metadata": {"name": "pods", "namespace": namespace},
              "spec": {"hard": {"pods": "1"}}}  # fmt: skip
@@ -691,3 +730,43 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
     assert failed["reason"] == "PodCreationFailed", failed
     assert "maximum google.com/tpu usage per Container is 1" in failed["message"], failed
     assert st["message"].startswith("the API server refuses the Jobs' pods: "), st
+    wait_stopped(cluster, namespace, "limited")
+    cluster.kubectl("delete", "limitrange", "tpus", "-n", namespace)  # Kueue checks them
+
+    queue = cluster.tpu_queue(namespace, "tpu", chips=8)
+    cq = queue[1]["metadata"]["name"]
+    policy = deadline_policy(namespace, "pods")
+    cluster.apply(policy)
+
+    def released() -> bool:
+        (workload,) = [
+            w
+            for w in json.loads(
+                cluster.kubectl("get", "workloads", "-n", namespace, "-o", "json").stdout
+            )["items"]
+            if any(o["name"] == "admitted" for o in w["metadata"].get("ownerReferences") or [])
+        ]
+        usage = cluster.get("clusterqueue", cq).get("status") or {}
+        return (
+            workload["spec"].get("active") is False
+            and usage.get("reservingWorkloads") == 0
+            and usage.get("admittedWorkloads") == 0
+        )
+
+    try:
+        time.sleep(2)  # the API server loads a new policy within a second
+        tpu_job(cluster, namespace, "admitted", "posttrain-trainer:slow", queue="tpu")
+        st, failed = wait_failed(cluster, namespace, "admitted", timeout=90)
+        assert failed["reason"] == "PodCreationFailed", failed
+        assert "denied request: Pods need spec.activeDeadlineSeconds" in failed["message"]
+        wait_stopped(cluster, namespace, "admitted")
+        wait_for(
+            released,
+            timeout=60,
+            what="the failed job's Workload deactivated and its quota given back",
+            describe=lambda: cluster.describe(namespace, "workloads,jobsets,jobs,events"),
+        )
+        assert jobs_of(cluster, namespace, "admitted", "pods") == []
+    finally:
+        cluster.kubectl("delete", "ptj", "admitted", "-n", namespace, "--wait=true", check=False)
+        cluster.delete_all([*queue, *policy])

@@ -301,6 +301,8 @@ def test_finished_job_jobset_not_recreated(
         "Failed"
     ]
     assert cond["reason"] == "FailedJobs" and "max restarts" in cond["message"]
+    # The JobSet controller finished it (and removes its Jobs): the operator leaves it.
+    assert not jobsets(apiserver, namespace)[0]["spec"].get("suspend")
     apiserver.kubectl(
         "delete", "jobset", "done", "-n", namespace
     )  # as ttlSecondsAfterFinished would
@@ -752,6 +754,55 @@ def test_jobset_the_api_server_refuses_fails_the_job_once(
         assert "failed permanently" not in op.logs()
     finally:
         op.stop()
+
+
+def test_a_refusal_that_stays_suspends_the_jobset_for_good(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
+    """The JobSet controller's JobCreationFailed Event for a rule that stays (posted here
+    as that controller does) fails the job and suspends its JobSet; started again (as
+    Kueue may once more), it is suspended again, and then nothing more is written."""
+    create_job(apiserver, namespace, "ruled")
+    (js,) = wait_for(lambda: jobsets(apiserver, namespace), timeout=30)
+    meta = js["metadata"]
+    error = (
+        "jobs.batch \"ruled-slice-0\" is forbidden: ValidatingAdmissionPolicy 'deadline' with "
+        "binding 'deadline' denied request: Jobs need spec.activeDeadlineSeconds"
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    apiserver.core.create_namespaced_event(
+        namespace,
+        {
+            "metadata": {"name": f"{meta['name']}.refused"},
+            "involvedObject": {"kind": "JobSet", "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                               "name": meta["name"], "namespace": namespace, "uid": meta["uid"]},
+            "reason": "JobCreationFailed",
+            "message": f'job "ruled-slice-0" creation failed with error: {error}',
+            "type": "Warning",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "source": {"component": "jobset-controller"},
+        },
+    )  # fmt: skip
+    failed = wait_failed(apiserver, namespace, "ruled", operator)
+    assert failed["reason"] == "JobCreationFailed" and failed["message"].endswith(error)
+
+    def suspended() -> dict | None:
+        (current,) = jobsets(apiserver, namespace)
+        return current if current["spec"].get("suspend") is True else None
+
+    wait_for(suspended, timeout=20, what="the failed job's JobSet suspended")
+    assert wait_for(lambda: "JobSetSuspended" in events(apiserver, namespace, "ruled"), timeout=20)
+    apiserver.custom.patch_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", "ruled", {"spec": {"suspend": False}}
+    )
+    again = wait_for(suspended, timeout=20, what="the JobSet suspended again")
+    job_version = get_job(apiserver, namespace, "ruled")["metadata"]["resourceVersion"]
+    time.sleep(3)
+    (current,) = jobsets(apiserver, namespace)
+    assert current["metadata"]["resourceVersion"] == again["metadata"]["resourceVersion"]
+    assert get_job(apiserver, namespace, "ruled")["metadata"]["resourceVersion"] == job_version
+    assert phase(apiserver, namespace, "ruled") == "Failed"
 
 
 def operator_errors(op: OperatorProcess) -> float:

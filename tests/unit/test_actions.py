@@ -13,8 +13,9 @@ from posttrain.controller.actions import (
     scheduling_annotation,
     scheduling_update,
     status_event,
+    stop_failed,
 )
-from posttrain.controller.phase import status_patch
+from posttrain.controller.phase import Cause, WorkloadState, status_patch
 from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
 from posttrain.controller.workqueue import WorkQueue
 
@@ -34,11 +35,13 @@ def job(status=None, scheduling=None, deleting=False):
     }
 
 
-def jobset(suspend=False, annotation=None, ready=0, completed=False, labels=None):
+def jobset(suspend=False, annotation=None, ready=0, completed=False, labels=None, failed=False):
     meta = {"name": "j", "uid": "js1", "labels": labels or {}, "ownerReferences": [{"uid": "u1"}]}
     if annotation is not None:
         meta["annotations"] = {SCHEDULING_ANNOTATION: annotation}
     conditions = [{"type": "Completed", "status": "True", "message": "done"}] if completed else []
+    if failed:
+        conditions.append({"type": "Failed", "status": "True", "reason": "FailedJobs"})
     return {
         "metadata": meta,
         "spec": {
@@ -166,6 +169,58 @@ def test_scheduling_update(case, scheduling, js, patch, events):
         assert json.loads(annotations[SCHEDULING_ANNOTATION]) == json.loads(
             scheduling_annotation(spec)
         )
+
+
+ADMITTED = WorkloadState(True, name="w")
+DEACTIVATED = WorkloadState(False, "Deactivated", "m", "w", False)
+SUSPEND = {"spec": {"suspend": True}}
+STOPS = [
+    # (case, phase, JobSet, Workload, JobSet patch, Workload spec.active)
+    ("failed, JobSet active: suspended", "Failed", jobset(), None, SUSPEND, None),
+    ("failed under Kueue: suspended, Workload deactivated", "Failed", jobset(), ADMITTED, SUSPEND, False),
+    ("failed, JobSet suspended, Workload admitted: deactivated", "Failed", jobset(suspend=True), ADMITTED, {}, False),
+    ("failed, Kueue started it again: suspended again", "Failed", jobset(), DEACTIVATED, SUSPEND, None),
+    ("failed, both stopped: nothing", "Failed", jobset(suspend=True), DEACTIVATED, {}, None),
+    ("failed, Workload not made yet: JobSet only", "Failed", jobset(), WorkloadState(False), SUSPEND, None),
+    ("JobSet failed: its controller stopped it", "Failed", jobset(failed=True), ADMITTED, {}, None),
+    ("JobSet completed: its controller stopped it", "Failed", jobset(completed=True), None, {}, None),
+    ("failed, no JobSet: nothing", "Failed", None, ADMITTED, {}, None),
+    ("succeeded: nothing", "Succeeded", jobset(), ADMITTED, {}, None),
+    ("running: nothing", "Running", jobset(), ADMITTED, {}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,phase,js,workload,patch,active", STOPS, ids=[t[0] for t in STOPS])
+def test_stop_failed(case, phase, js, workload, patch, active):
+    actions = stop_failed(phase, js, workload)
+    assert actions.jobset_patch == patch
+    assert [e.reason for e in actions.jobset_events] == (["JobSetSuspended"] if patch else [])
+    assert actions.workload_active is active
+    assert not actions.create and actions.status is None and actions.events == []
+
+
+def test_a_job_that_fails_stops_its_jobset_in_the_same_reconcile_and_after():
+    """The reconcile that writes Failed for a refusal that stays also suspends the JobSet
+    and deactivates its Workload; later reconciles of the failed job suspend it again if
+    Kueue started it before it saw the deactivation, and touch nothing else."""
+    refused = Cause("JobCreationFailed", "the API server refuses the JobSet's Job j", 0, True)
+    queued = {"queue": "tpu"}
+    js = jobset(annotation=scheduling_annotation({"scheduling": queued}))
+    actions = decide(job(PENDING, queued), Observed(js, (), ADMITTED, refused), NOW)
+    assert actions.status["phase"] == "Failed"
+    assert [(e.type, e.reason) for e in actions.events] == [("Warning", "JobCreationFailed")]
+    assert actions.jobset_patch == SUSPEND and actions.workload_active is False
+    assert [e.reason for e in actions.jobset_events] == ["JobSetSuspended"]
+
+    failed = job(actions.status, queued)
+    again = decide(failed, Observed(js, (), DEACTIVATED, refused), NOW)
+    assert again.status is None and again.events == [] and not again.create
+    assert again.jobset_patch == SUSPEND and again.workload_active is None
+    stopped = decide(failed, Observed(jobset(suspend=True), (), DEACTIVATED, refused), NOW)
+    assert stopped.jobset_patch == {} and stopped.workload_active is None
+    assert decide(failed, Observed(None), NOW).create is False  # a JobSet gone stays gone
+    deleting = job(actions.status, queued, deleting=True)
+    assert decide(deleting, Observed(js, (), ADMITTED, refused), NOW).jobset_patch == {}
 
 
 def test_status_event_on_phase_and_new_warning_reasons():

@@ -1,15 +1,17 @@
 """What one reconcile of a job does, decided from the job and what the watches observed
 of it: pure functions, table-tested. `phase.status_patch` decides the status; this adds
-when to make the job's objects, which Events to post, and what the JobSet needs of the
-job's mutable spec.scheduling fields. `reconcile` gathers the inputs and carries it out.
+when to make the job's objects, which Events to post, what the JobSet needs of the
+job's mutable spec.scheduling fields, and how a failed job's JobSet is stopped
+(`stop_failed`). `reconcile` gathers the inputs and carries it out.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from posttrain.api.spec import Phase
 from posttrain.controller.phase import (
     TERMINAL,
     WARNINGS,
@@ -17,6 +19,7 @@ from posttrain.controller.phase import (
     PodState,
     WorkloadState,
     changed,
+    jobset_finished,
     status_patch,
     status_reason,
     workload_activation,
@@ -52,13 +55,6 @@ class Actions:
     jobset_patch: dict[str, Any] = field(default_factory=dict)
     jobset_events: list[Event] = field(default_factory=list)  # once the JobSet is patched
     workload_active: bool | None = None  # the Workload's spec.active, when it must change
-
-
-def finished(job: dict[str, Any]) -> bool:
-    """Nothing more to do: the job has finished, or is being deleted."""
-    return (job.get("status") or {}).get("phase") in TERMINAL or bool(
-        job["metadata"].get("deletionTimestamp")
-    )
 
 
 def status_event(previous: dict[str, Any], patch: dict[str, Any]) -> Event | None:
@@ -140,16 +136,37 @@ def scheduling_update(spec: dict[str, Any], jobset: dict[str, Any]) -> tuple[dic
     return patch, events
 
 
+def stop_failed(
+    phase: str | None, jobset: dict[str, Any] | None, workload: WorkloadState | None
+) -> Actions:
+    """What stops the JobSet of a job in `phase` when the job failed and the JobSet
+    controller has not finished the JobSet itself (a refusal of its Jobs or pods that
+    stays): the JobSet suspended (kept to look at; its Jobs suspended, so the Job
+    controller makes no pod) and, under Kueue, its Workload deactivated, which evicts it
+    and gives its quota back (Kueue starts a suspended JobSet whose Workload it
+    admitted). Nothing for a finished JobSet (its controller removed its Jobs), nor
+    once both are stopped; a JobSet Kueue started again is suspended again."""
+    if phase != Phase.failed or jobset is None or jobset_finished(jobset):
+        return Actions()
+    actions = Actions(workload_active=workload_activation(True, workload))
+    if not (jobset.get("spec") or {}).get("suspend"):
+        actions.jobset_patch = {"spec": {"suspend": True}}
+        message = "the job failed: its JobSet is suspended (no pods, no Kueue quota)"
+        actions.jobset_events = [Event("Normal", "JobSetSuspended", message)]
+    return actions
+
+
 def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
     """Everything a reconcile of `job` does given what is observed of its children."""
-    if finished(job):
+    if job["metadata"].get("deletionTimestamp"):
         return Actions()
-    if observed.jobset is None:
-        status = job.get("status") or {}
-        gone = [Event("Warning", "JobSetDeleted", "JobSet deleted out of band; creating it again")]
-        return Actions(create=True, events=gone if status.get("jobSetName") else [])
-    meta, spec = job["metadata"], job.get("spec") or {}
     previous = job.get("status") or {}
+    if previous.get("phase") in TERMINAL:  # nothing more, but a failed job's JobSet stops
+        return stop_failed(previous["phase"], observed.jobset, observed.workload)
+    if observed.jobset is None:
+        gone = [Event("Warning", "JobSetDeleted", "JobSet deleted out of band; creating it again")]
+        return Actions(create=True, events=gone if previous.get("jobSetName") else [])
+    meta, spec = job["metadata"], job.get("spec") or {}
     patch = status_patch(
         observed.jobset,
         spec,
@@ -161,6 +178,9 @@ def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
         observed.blocked,
     )
     actions = status_write(previous, patch)
+    if patch.get("phase") == Phase.failed:  # it fails now: no scheduling change matters
+        stop = stop_failed(patch["phase"], observed.jobset, observed.workload)
+        return replace(stop, status=actions.status, events=actions.events)
     actions.jobset_patch, actions.jobset_events = scheduling_update(spec, observed.jobset)
     # Kueue starts a suspended JobSet whose Workload it admitted: the user's suspend
     # deactivates the Workload (Kueue's own way to stop a job).

@@ -4,7 +4,8 @@ decide with `actions.decide`, apply with `kube`.
 Both run in a worker thread, `apply` with a copy, and make only the calls the decision
 asks for: the JobSet when it is not there (after the namespace's trainer
 ServiceAccount, made once per namespace: `trainer_access`), a JobSet patch for a
-spec.scheduling change, a status patch when the status changed. What it writes is
+spec.scheduling change or to suspend a failed job's JobSet (and a Workload patch to
+deactivate it), a status patch when the status changed. What it writes is
 remembered (`Written`) until the watches bring it back, so the next reconcile does not
 take it for missing or stale.
 """

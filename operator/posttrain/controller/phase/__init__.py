@@ -20,6 +20,7 @@ from __future__ import annotations
 from posttrain.controller.phase.jobset import (
     JOB_CREATION_FAILED,
     job_refusal,
+    jobset_finished,
     missing_priority_class,
     phase_from,
     pod_refusal,
@@ -89,6 +90,7 @@ __all__ = [
     "conditions_for",
     "controller_uid",
     "job_refusal",
+    "jobset_finished",
     "missing_priority_class",
     "observation_patch",
     "one_line",

@@ -19,6 +19,12 @@ def _condition(jobset: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     return _true(jobset, ctype)
 
 
+def jobset_finished(jobset: dict[str, Any]) -> bool:
+    """Whether the JobSet controller has finished the JobSet (Completed or Failed): it
+    then deletes the JobSet's running Jobs itself and makes no new one."""
+    return bool(_condition(jobset, "Completed") or _condition(jobset, "Failed"))
+
+
 def missing_priority_class(
     jobset: dict[str, Any] | None, priority_classes: Collection[str] | None
 ) -> Cause | None:
