@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +113,6 @@ class DataLoader:
         self.real_tokens = 0
         self.max_bad_rows, self.bad_rows = max_bad_rows, 0
         self.max_steps = max_steps  # unpacked: prefetch nothing past this step
-        self._bad_lock = threading.Lock()
         self._it: Iterator[Any] | None = None
         self._position = 0  # unpacked: global examples consumed
         self._queue: list[list[int]] = []  # packed: windows to do first, as [w, rows done]
@@ -200,7 +198,9 @@ class DataLoader:
         rng = np.random.default_rng([*key, self.process_index])
         positions = rng.integers(0, len(self.rows), self.per_host_batch_size)
         keys = [self.order[int(p)] for p in positions]
-        batch = self._batch(self._read_guarded(keys))
+        errors: list[DataError] = []
+        batch = self._batch(self._read_guarded(keys, errors), errors)
+        self._skip(errors)
         batch["row_index"] = np.asarray([i for _, i in keys], dtype=np.int32)
         return batch
 
@@ -215,10 +215,11 @@ class DataLoader:
         if self._it is None:
             self._it = self._stream(self._position)
         try:
-            batch = next(self._it)
+            batch, errors = next(self._it)
         except StopIteration:  # past max_steps (a resume with another batch size): go on
             self._it = self._stream(self._position, bounded=False)
-            batch = next(self._it)
+            batch, errors = next(self._it)
+        self._skip(errors)
         self._position += self.batch_size
         self.rows_emitted += len(batch["row_index"])
         self.real_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else 0
@@ -234,7 +235,9 @@ class DataLoader:
 
         return grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.prefetch)
 
-    def _stream(self, position: int, bounded: bool = True) -> Iterator[Batch]:
+    def _stream(
+        self, position: int, bounded: bool = True
+    ) -> Iterator[tuple[Batch, list[DataError]]]:
         import grain
 
         B = self.batch_size
@@ -248,22 +251,29 @@ class DataLoader:
 
     # ---------------------------------------------------------------- bad rows
 
-    def _skip(self, error: DataError) -> None:
-        """Count a malformed row; DataError once more than max_bad_rows were skipped."""
-        with self._bad_lock:
-            self.bad_rows += 1
-            count = self.bad_rows
-        if count > self.max_bad_rows:
-            if not self.max_bad_rows:
-                raise error
-            raise DataError(
-                f"{error} ({count} malformed rows, more than spec.data.maxBadRows="
-                f"{self.max_bad_rows})"
-            ) from None
-        log.warning("%s; skipped (%d of spec.data.maxBadRows=%d)", error, count, self.max_bad_rows)
+    # Prefetching threads only collect a batch's malformed rows; they are counted here,
+    # as the batch is taken, so the row that goes over the limit is the same every run
+    # and rows of batches never taken are not counted.
 
-    def _read_guarded(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        """read(keys), with None for the rows that cannot be read (counted)."""
+    def _skip(self, errors: list[DataError]) -> None:
+        """Count a batch's malformed rows, in order; DataError at the first one past
+        max_bad_rows."""
+        for error in errors:
+            self.bad_rows += 1
+            if self.bad_rows > self.max_bad_rows:
+                raise DataError(
+                    f"{error} ({self.bad_rows} malformed rows, more than spec.data.maxBadRows="
+                    f"{self.max_bad_rows})"
+                ) from None
+            log.warning(
+                "%s; skipped (%d of spec.data.maxBadRows=%d)",
+                error,
+                self.bad_rows,
+                self.max_bad_rows,
+            )
+
+    def _read_guarded(self, keys: Sequence[tuple[int, int]], errors: list[DataError]) -> list[Any]:
+        """read(keys), with None for the rows that cannot be read (added to errors)."""
         try:
             return self.read(keys)
         except DataError:
@@ -274,24 +284,26 @@ class DataLoader:
             try:
                 out.extend(self.read([key]))
             except DataError as e:
-                self._skip(e)
+                errors.append(e)
                 out.append(None)
         return out
 
-    def _usable(self, rows: list[Any], fn: Callable[[list[Any]], Any]) -> list[Any]:
-        """rows with None for each that `fn` refuses alone (counted as malformed)."""
+    def _usable(
+        self, rows: list[Any], fn: Callable[[list[Any]], Any], errors: list[DataError]
+    ) -> list[Any]:
+        """rows with None for each that `fn` refuses alone (added to errors)."""
         out = []
         for row in rows:
             if row is not None:
                 try:
                     fn([row])
                 except DataError as e:
-                    self._skip(e)
+                    errors.append(e)
                     row = None
             out.append(row)
         return out
 
-    def _batch(self, rows: list[Any], **kw: Any) -> Batch:
+    def _batch(self, rows: list[Any], errors: list[DataError], **kw: Any) -> Batch:
         """The batcher's batch of rows; a malformed row (with spec.data.maxBadRows) is a
         row of padding for sft, a copy of the batch's first good row otherwise."""
         batcher = self.rows.batcher
@@ -306,14 +318,15 @@ class DataLoader:
             except DataError:
                 if not self.max_bad_rows or attempt:
                     raise
-            rows = self._usable(rows, lambda rs: batcher.batch(rs, **kw))
+            rows = self._usable(rows, lambda rs: batcher.batch(rs, **kw), errors)
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ batches
 
-    def _host_batch(self, position: int) -> Batch:
+    def _host_batch(self, position: int) -> tuple[Batch, list[DataError]]:
         keys = self.host_keys(position)
-        rows = self._read_guarded(keys)
+        errors: list[DataError] = []
+        rows = self._read_guarded(keys, errors)
         batcher = self.rows.batcher
         if hasattr(batcher, "image_count"):  # every host pads to the step's most images
             B = self.batch_size
@@ -323,35 +336,37 @@ class DataLoader:
                     counts.append(batcher.image_count(self.read([self.order[position + j]])[0]))
                 except DataError:
                     continue
-            batch = self._batch(rows, max_images=max([*counts, 1]))
+            batch = self._batch(rows, errors, max_images=max([*counts, 1]))
         else:
-            batch = self._batch(rows)
+            batch = self._batch(rows, errors)
         batch["row_index"] = np.asarray([i for _, i in keys], dtype=np.int32)
         if self.weights is not None:
             batch["source_index"] = np.asarray([s for s, _ in keys], dtype=np.int32)
-        return batch
+        return batch, errors
 
     # ------------------------------------------------------------------ packing
 
-    def window_rows(self, w: int) -> list[list[Any]]:
-        """Window w packed: its examples' rows, best fit, in order of first example."""
+    def window_rows(self, w: int, errors: list[DataError] | None = None) -> list[list[Any]]:
+        """Window w packed: its examples' rows, best fit, in order of first example;
+        its malformed rows (with spec.data.maxBadRows) are added to `errors`."""
         W = self.window
-        rows = self._read_guarded([self.order[w * W + j] for j in range(W)])
+        errors = [] if errors is None else errors
+        rows = self._read_guarded([self.order[w * W + j] for j in range(W)], errors)
         batcher: SftBatcher = self.rows.batcher
         try:
             examples = batcher.tokenize([r for r in rows if r is not None])
         except DataError:
             if not self.max_bad_rows:
                 raise
-            rows = self._usable(rows, batcher.tokenize)
+            rows = self._usable(rows, batcher.tokenize, errors)
             examples = batcher.tokenize([r for r in rows if r is not None])
         examples = [e for e in examples if e is not None]
         packed = pack_examples([len(e) for e in examples], batcher.max_length)
         return [[examples[k] for k in members] for members in packed]
 
-    def _windows(self) -> Iterator[tuple[int, int, list[list[Any]]]]:
-        """(window, rows to skip, packed rows) of this host's windows, in order,
-        prefetched by Grain."""
+    def _windows(self) -> Iterator[tuple[int, int, list[list[Any]], list[DataError]]]:
+        """(window, rows to skip, packed rows, malformed rows) of this host's windows,
+        in order, prefetched by Grain."""
         queue, start, stride = list(self._queue), self._next, self._stride
 
         def window_of(k: int) -> tuple[int, int]:
@@ -361,9 +376,12 @@ class DataLoader:
 
         import grain
 
-        windows = grain.MapDataset.range(0, HUGE).map(
-            lambda k: (*window_of(k), self.window_rows(window_of(k)[0]))
-        )
+        def window(k: int) -> tuple[int, int, list[list[Any]], list[DataError]]:
+            w, skip = window_of(k)
+            errors: list[DataError] = []
+            return w, skip, self.window_rows(w, errors), errors
+
+        windows = grain.MapDataset.range(0, HUGE).map(window)
         if self.threads == 0:
             return (windows[k] for k in range(HUGE))
         return iter(windows.to_iter_dataset(self._read_options()))
@@ -380,7 +398,8 @@ class DataLoader:
 
     def _packed_rows(self) -> Iterator[list[Any]]:
         """This host's packed rows; keeps _queue/_next at the row about to be emitted."""
-        for w, skip, packed in self._windows():
+        for w, skip, packed, errors in self._windows():
+            self._skip(errors)
             # the window now being emitted heads the queue
             if self._queue and self._queue[0][0] == w:
                 self._queue.pop(0)
