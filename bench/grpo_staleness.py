@@ -148,8 +148,9 @@ def say_task(root: Path, steps: int):
     )
 
 
-def arithmetic_task(steps: int):
-    """The arithmetic CPU example as shipped, its sampler on half the devices."""
+def arithmetic_task(steps: int, batch_size: int | None):
+    """The arithmetic CPU example as shipped (or with `batch_size` prompts a step), its
+    sampler on half the devices."""
     example = yaml.safe_load((ROOT / "examples" / "grpo-lora-smollm2-cpu.yaml").read_text())
     base = example["spec"]
     model = ROOT / base["model"]["source"]
@@ -161,6 +162,8 @@ def arithmetic_task(steps: int):
         s["model"]["source"] = str(model)
         s["data"]["source"] = str(ROOT / s["data"]["source"])
         s["training"].update(steps=steps, seed=seed)
+        if batch_size:
+            s["training"]["batchSize"] = batch_size
         s["grpo"].update(
             rollout={"placement": "disaggregated", "samplerFraction": 0.5}, maxStaleness=k
         )
@@ -168,7 +171,7 @@ def arithmetic_task(steps: int):
         s["output"] = {"uri": str(out)}
         return s
 
-    b = base["training"]["batchSize"]
+    b = batch_size or base["training"]["batchSize"]
     return spec, (
         f"task: examples/grpo-lora-smollm2-cpu.yaml (SmolLM2-135M LoRA r{base['lora']['rank']}, "
         f"arithmetic), {steps} steps x {b} prompt x {base['grpo']['numGenerations']} completions"
@@ -183,12 +186,15 @@ def main() -> int:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument(
+        "--batch-size", type=int, help="arithmetic: prompts a step (default: the example's)"
+    )
     args = p.parse_args()
     root = Path(tempfile.mkdtemp())
     if args.task == "say":
         spec_for, title = say_task(root, args.steps)
     else:
-        spec_for, title = arithmetic_task(args.steps)
+        spec_for, title = arithmetic_task(args.steps, args.batch_size)
     results = {}
     for k in args.staleness:
         runs = []
@@ -208,6 +214,7 @@ def main() -> int:
                     "pass_rate_0": evals[0]["pass_rate"] if 0 in evals else None,
                     "max_staleness_seen": max(stale),
                     "seconds": time.monotonic() - start,
+                    "reward": reward,
                 }
             )
             print(
@@ -243,7 +250,24 @@ def main() -> int:
         return 0
     within = all(mean(runs, "last") >= mean(ref, "last") - TOLERANCE for runs in results.values())
     print(f"every run within {TOLERANCE} of the on-policy final reward: {within}")
+    goal = mean(ref, "last") - TOLERANCE
+    for k, runs in results.items():
+        step = first_step_reaching([r["reward"] for r in runs], goal, args.window)
+        reached = f"at step {step}" if step else f"not in {args.steps} steps"
+        print(
+            f"maxStaleness {k}: mean of the last {args.window} steps first >= {goal:.3f} {reached}"
+        )
     return 0
+
+
+def first_step_reaching(curves: list[list[float]], goal: float, window: int) -> int | None:
+    """The first step whose trailing `window`-step mean of the seeds' mean curve reaches
+    goal (steps count from 1)."""
+    curve = np.mean(np.asarray(curves), axis=0)
+    for step in range(window, len(curve) + 1):
+        if curve[step - window : step].mean() >= goal:
+            return step
+    return None
 
 
 if __name__ == "__main__":
