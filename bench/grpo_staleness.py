@@ -9,17 +9,18 @@ Two tasks (--task):
   with an exactAnswer reward raises that, with a held-out greedy pass rate at the end.
 - arithmetic: the CPU example examples/grpo-lora-smollm2-cpu.yaml as shipped (LoRA on
   SmolLM2-135M-Instruct, `make demo` converts the model), with its sampler on half the
-  devices and no checkpoint inside the run (a checkpoint step is on-policy); about 3
-  minutes a run on two idle cores with --devices 2.
+  devices and no checkpoint inside the run (a checkpoint step is on-policy); about 5
+  minutes a run on two idle cores with --devices 2 (--batch-size: other prompts a step).
 
 Prints, per maxStaleness, the mean training reward of the first and last `--window`
 steps and the gap to the on-policy run (the stated tolerance: within 0.1 of the
-on-policy final reward). With --seeds, each maxStaleness runs once per seed and the
-means over the seeds are compared (one prompt a step, as the arithmetic example has, makes
-a single run's curve depend on when a sample first hits the format).
+on-policy final reward), and the first step at which each maxStaleness's trailing mean
+reaches that line. With --seeds, each maxStaleness runs once per seed and the means over
+the seeds are compared (with few prompts a step, as the arithmetic example has, a single
+run's curve depends on when a sample first hits the format).
 
     python bench/grpo_staleness.py [--task say] [--steps 30] [--devices 8] [--window 5]
-    python bench/grpo_staleness.py --task arithmetic --devices 2 --window 10
+    python bench/grpo_staleness.py --task arithmetic --devices 2 --window 10 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def arithmetic_task(steps: int, batch_size: int | None):
     b = batch_size or base["training"]["batchSize"]
     return spec, (
         f"task: examples/grpo-lora-smollm2-cpu.yaml (SmolLM2-135M LoRA r{base['lora']['rank']}, "
-        f"arithmetic), {steps} steps x {b} prompt x {base['grpo']['numGenerations']} completions"
+        f"arithmetic), {steps} steps x {b} prompt{'s' if b > 1 else ''} x {base['grpo']['numGenerations']} completions"
     )
 
 
