@@ -173,9 +173,10 @@ def arithmetic_task(steps: int, batch_size: int | None):
         return s
 
     b = batch_size or base["training"]["batchSize"]
+    prompts = f"{b} prompt{'s' if b > 1 else ''}"
     return spec, (
         f"task: examples/grpo-lora-smollm2-cpu.yaml (SmolLM2-135M LoRA r{base['lora']['rank']}, "
-        f"arithmetic), {steps} steps x {b} prompt{'s' if b > 1 else ''} x {base['grpo']['numGenerations']} completions"
+        f"arithmetic), {steps} steps x {prompts} x {base['grpo']['numGenerations']} completions"
     )
 
 
