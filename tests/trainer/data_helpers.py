@@ -1,5 +1,6 @@
-"""Helpers for the trainer tests: a tiny tokenizer made on the spot, and a real
-GCS-compatible server (fake-gcs-server, built from Go modules) on 127.0.0.1."""
+"""Helpers for the trainer tests: a tiny tokenizer made on the spot, a real
+GCS-compatible server (fake-gcs-server, built from Go modules) on 127.0.0.1, and what a
+packed data position has still to emit."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from posttrain.trainer.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,3 +172,17 @@ def gcs_bucket(name: str) -> Iterator[str]:
             yield f"gs://{name}"
         finally:
             mp.undo()
+
+
+def remaining(loader: DataLoader, state) -> tuple[list[int], int]:
+    """Example rows a packed state has still to emit below its frontier, and the
+    frontier (the first window no host has reached)."""
+    hosts = state["packing"]["hosts"]
+    frontier = max(h["next"] for h in hosts)
+    left = []
+    for h in hosts:
+        for w, done in h["queue"]:
+            left.extend(e.row for row in loader.window_rows(w)[done:] for e in row)
+        for w in range(h["next"], frontier, h["stride"]):
+            left.extend(e.row for row in loader.window_rows(w) for e in row)
+    return left, frontier

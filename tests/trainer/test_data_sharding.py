@@ -21,7 +21,8 @@ from posttrain.trainer.data import (
     SftTokenizer,
     open_records,
 )
-from tests.trainer.data_helpers import make_tokenizer_dir
+from tests.trainer.data_helpers import make_tokenizer_dir, remaining
+from tests.trainer.data_host_check import examples
 
 WORDS = [
     "the",
@@ -110,28 +111,8 @@ def run_hosts(rows: Rows, hosts: int, steps: int, state=None):
         if state is not None:
             ld.set_state(json.loads(json.dumps(state)))
         loaders.append(ld)
-    emitted = []
-    for _ in range(steps):
-        for ld in loaders:
-            batch = next(ld)
-            seg, origin = batch["segment_ids"], batch["example_rows"]
-            for r in range(len(seg)):
-                emitted.extend(int(origin[r][seg[r] == s][0]) for s in range(1, seg[r].max() + 1))
+    emitted = [i for _ in range(steps) for ld in loaders for i in examples(next(ld))]
     return emitted, loaders, loaders[0].get_state()
-
-
-def remaining(loader: DataLoader, state) -> tuple[list[int], int]:
-    """Example rows a packed state has still to emit below its frontier, and the
-    frontier (the first window no host has reached)."""
-    hosts = state["packing"]["hosts"]
-    frontier = max(h["next"] for h in hosts)
-    left = []
-    for h in hosts:
-        for w, done in h["queue"]:
-            left.extend(e.row for row in loader.window_rows(w)[done:] for e in row)
-        for w in range(h["next"], frontier, h["stride"]):
-            left.extend(e.row for row in loader.window_rows(w) for e in row)
-    return left, frontier
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 4), (4, 2)])
