@@ -98,8 +98,13 @@ CASES = {
     "grpo-full": ("Qwen3-0.6B", "v6e-8", {"technique": "grpo", "grpo": {
         "numGenerations": 4, "maxPromptLength": 512, "maxCompletionLength": 1536,
         "rewards": [{"type": "exactAnswer"}]}}),
+    "grpo-lora": ("Qwen3-1.7B", "v6e-8", {"technique": "grpo", "lora": {"rank": 16},
+                  "grpo": {"numGenerations": 8, "maxPromptLength": 256,
+                           "maxCompletionLength": 768, "rewards": [{"type": "exactAnswer"}]}}),
     "dpo-full-2k": ("Qwen3-0.6B", "v6e-8", {"technique": "dpo", "data": {"maxLength": 2048},
                     "dpo": {"maxPromptLength": 512}}),
+    "dpo-lora-2k": ("Qwen3-0.6B", "v6e-8", {"technique": "dpo", "data": {"maxLength": 2048},
+                    "dpo": {"maxPromptLength": 512}, "lora": {"rank": 16}}),
     "distill-larger-teacher": ("Qwen3-0.6B", "v6e-8", {"technique": "distill",
                                "data": {"maxLength": 2048},
                                "distill": {"teacher": {"source": "Qwen3-1.7B"}}}),

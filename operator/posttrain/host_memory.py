@@ -17,7 +17,7 @@ keeps off the device:
 The constants are fitted to the CPU examples' peak resident sizes (docs/user-guide.md,
 "Running locally"), which the total is within 18% of for SFT, DPO and distillation on
 SmolLM2-135M, and GRPO at one prompt a step without remat (+15%). GRPO at two prompts a
-step with remat layer, the example now, peaks 21% above it (2.77 against 3.52 GiB): the
+step with remat layer, the example now, peaks 23% above it (2.87 against 3.52 GiB): the
 sampler's and the log-prob passes' programs are not terms of their own yet.
 """
 
