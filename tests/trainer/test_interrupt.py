@@ -67,7 +67,7 @@ def test_a_second_signal_while_training_exits_at_once():
     script = textwrap.dedent(
         """
         import os, signal, time
-        from posttrain.trainer.loop import Interrupted, StopFlag
+        from posttrain.trainer.signals import Interrupted, StopFlag
 
         flag = StopFlag()
         flag.install()
@@ -102,7 +102,7 @@ def test_a_start_up_signal_read_late_is_not_counted_once_training():
     script = textwrap.dedent(
         """
         import logging, os, signal
-        from posttrain.trainer.loop import StopFlag
+        from posttrain.trainer.signals import StopFlag
 
         logging.basicConfig(level=logging.INFO)
         flag = StopFlag()
@@ -135,7 +135,7 @@ def test_ctrl_c_during_a_compile_says_so_at_once_and_a_second_exits():
     script = textwrap.dedent(
         """
         import ctypes, logging, signal
-        from posttrain.trainer.loop import StopFlag
+        from posttrain.trainer.signals import StopFlag
 
         logging.basicConfig(level=logging.INFO)
         StopFlag().install()

@@ -66,7 +66,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     # run_command checked them before JAX loaded).
     if in_pod and (code := _preflight_exit(job, None, "spec.output.uri")) is not None:
         return code
-    from posttrain.trainer.loop import Interrupted, StopFlag, train
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.signals import Interrupted, StopFlag
 
     stop = StopFlag()
     stop.install()
