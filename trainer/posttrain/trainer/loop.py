@@ -20,6 +20,7 @@ import datetime
 import importlib
 import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -106,7 +107,12 @@ def train(
         if (check := getattr(module, "check", None)) is not None:
             check(spec)
         technique = module.train
-    return technique(setup_run(job, process, show_bar=show_bar, stop=stop, started=started))
+    run = setup_run(job, process, show_bar=show_bar, stop=stop, started=started)
+    try:
+        return technique(run)
+    finally:  # a gs:// model's copy, a remote output's local side: nothing left in /tmp
+        shutil.rmtree(run.scratch, ignore_errors=True)
+
 
 
 def train_sft(run: RunSetup) -> Result:
@@ -196,22 +202,30 @@ def setup_run(
     (monotonic, wall clock) is when the attempt began (default: now)."""
     spec = job.spec
     started = started or (time.monotonic(), time.time())
+    stop = stop if stop is not None else StopFlag()
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
-    # GRPO with a disaggregated sampler trains on its share of the devices only.
-    mesh = models.make_mesh(devices=rl_placement.split_devices(spec)[0])
-    log.info("loading the model from %s", spec.model.source)
-    policy = load_policy(spec, mesh, scratch)
-    tokenizer = data.load_tokenizer(policy.model_dir)
-    log.info(
-        "reading the data from %s",
-        spec.data.source or ", ".join(entry.source for entry in spec.data.sources),
-    )
-    loader, held_out = build_data(spec, tokenizer, process)
+    stop.on_exit(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    try:  # a signal ends the process from the watcher thread; stop.check() is the fallback
+        # GRPO with a disaggregated sampler trains on its share of the devices only.
+        mesh = models.make_mesh(devices=rl_placement.split_devices(spec)[0])
+        log.info("loading the model from %s", spec.model.source)
+        policy = load_policy(spec, mesh, scratch)
+        stop.check()
+        tokenizer = data.load_tokenizer(policy.model_dir)
+        log.info(
+            "reading the data from %s",
+            spec.data.source or ", ".join(entry.source for entry in spec.data.sources),
+        )
+        loader, held_out = build_data(spec, tokenizer, process)
+        stop.check()
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     return RunSetup(
         job,
         process,
         show_bar,
-        stop if stop is not None else StopFlag(),
+        stop,
         scratch,
         mesh,
         policy,

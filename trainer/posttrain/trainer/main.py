@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.api.validate import FieldError, InvalidJob, printable
 from posttrain.checks import load_job
+from posttrain.trainer.signals import STOPPED_EXIT_CODE
 
-STOPPED_EXIT_CODE = 143
-INTERRUPTED_EXIT_CODE = 130  # Ctrl-C before the first step: nothing saved
 log = logging.getLogger("posttrain.trainer")
 
 
@@ -67,15 +65,15 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     if in_pod and (code := _preflight_exit(job, None, "spec.output.uri")) is not None:
         return code
     from posttrain.trainer.loop import train
-    from posttrain.trainer.signals import Interrupted, StopFlag
+    from posttrain.trainer.signals import Interrupted, StopFlag, exit_code, stopped_line
 
     stop = StopFlag()
     stop.install()
     try:
         result = train(job, info, show_bar=show_bar, stop=stop)
-    except Interrupted as e:  # before the first step: nothing to save
-        print(f"posttrain: {e} before the first step; nothing saved", file=sys.stderr)
-        return STOPPED_EXIT_CODE if e.signum == signal.SIGTERM else INTERRUPTED_EXIT_CODE
+    except Interrupted as e:  # before the first step (no watcher thread): nothing to save
+        print(stopped_line(e.signum), file=sys.stderr)
+        return exit_code(e.signum)
     except storage.Unreachable as e:  # a server that did not answer: worth a retry
         print(f"posttrain: {e}", file=sys.stderr)
         return pathways.UNREACHABLE_EXIT_CODE
