@@ -315,6 +315,18 @@ CASES: list[Case] = [
         "needs a TPU",
     ),
     Case(
+        "flash-attention-on-cpu",
+        _set("spec.training", {"attention": "flash"}),
+        "spec.training.attention",
+        "needs a TPU or GPU",
+    ),
+    Case(
+        "attention-unknown",
+        _set("spec.training", {"attention": "sdpa"}),
+        "spec.training.attention",
+        "auto",
+    ),
+    Case(
         "gpus-per-node-on-tpu",
         _set("spec.resources", {"accelerator": "v5p-8", "gpusPerNode": 4}),
         "spec.resources.gpusPerNode",

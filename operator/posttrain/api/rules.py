@@ -216,6 +216,12 @@ RULES: list[Rule] = [
         "resources.slices above 1 needs a TPU accelerator (use resources.nodes for GPU/CPU)",
     ),
     Rule(
+        "training.attention",
+        "self.training.attention != 'flash' || self.resources.accelerator != 'cpu'",
+        lambda s: s.training.attention != "flash" or s.resources.accelerator != "cpu",
+        "training.attention flash needs a TPU or GPU accelerator (use auto or dense on cpu)",
+    ),
+    Rule(
         "resources.gpusPerNode",
         "!has(self.resources.gpusPerNode) || self.resources.accelerator.startsWith('nvidia-')",
         lambda s: (

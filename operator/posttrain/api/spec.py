@@ -268,6 +268,12 @@ class Remat(StrEnum):
     layer = "layer"
 
 
+class Attention(StrEnum):
+    auto = "auto"
+    dense = "dense"
+    flash = "flash"
+
+
 class TrainingSpec(KubeModel):
     """Optimisation settings."""
 
@@ -289,6 +295,14 @@ class TrainingSpec(KubeModel):
     recompute the attention and the MLP of each layer separately (keeps a little more);
     none: keep every layer's activations (fastest, most memory). auto: layer on TPUs and
     GPUs, none on CPU."""
+
+    attention: Attention = Attention.auto
+    """How attention is computed in training forward passes. flash: a fused kernel that
+    never materialises the [sequence x sequence] scores (Pallas splash attention on TPU,
+    cuDNN flash attention on GPU), keeping packed examples apart by their segment ids
+    and Gemma's local layers to their sliding window; dense: the scores in full (the
+    memory grows with the square of data.maxLength). auto: flash on TPUs and GPUs, dense
+    on CPU. Decoding with a KV cache (generation, GRPO sampling) is always dense."""
 
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
     """Peak learning rate."""
