@@ -58,6 +58,31 @@ def test_stream_is_the_cached_greedy_decoder(tmp_path):
     assert np.all(np.asarray(a) >= 0)
 
 
+def test_nothing_compiles_once_the_first_token_is_shown(tmp_path):
+    """The decoding step compiles before the first token, so the reply then streams
+    without the pause of a compile."""
+    import logging
+
+    import jax
+
+    model, _ = models.load_model(make_tiny_llama(tmp_path / "llama"))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles():
+            tokens = generate.stream(model, [3, 9, 11], 7)  # shapes no other test uses
+            next(tokens)
+            before = len(said)
+            assert any("Compiling jit(_next_logits)" in line for line in said)
+            rest = list(tokens)
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert len(rest) == 6
+    assert [line for line in said[before:] if line.startswith("Compiling")] == []
+
+
 def posttrain_generate(target: str, cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
     """`posttrain generate TARGET --prompt ...` run from `cwd`: (exit code, stdout, stderr)."""
     monkeypatch.chdir(cwd)
@@ -88,3 +113,55 @@ def test_generate_names_what_it_cannot_load(tmp_path, monkeypatch, capsys):
     assert err.strip().splitlines()[-1] == (
         f"posttrain: MODEL_OR_JOB: {tmp_path / 'nothing'}: no such file or directory"
     )
+
+
+def test_generate_leaves_no_scratch_directory(trained, tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    code, out, err = posttrain_generate(str(trained), tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.strip(), err[-2000:]
+    assert list(temp.iterdir()) == []
+
+
+def test_generate_keeps_its_programs_in_the_machines_compilation_cache(tmp_path):
+    """`posttrain generate` (as `run` and `export`) keeps what it compiles under
+    ~/.cache/posttrain/jax, so the next call on this machine loads it instead."""
+    import os
+    import subprocess
+    import sys
+
+    model = make_tiny_llama(tmp_path / "llama")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(HOME=str(tmp_path / "home"), JAX_PLATFORMS="cpu")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tiny model compiles fast
+    r = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "generate", str(model), "--prompt", "Hi",
+         "--max-new-tokens", "2"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    cache = tmp_path / "home" / ".cache" / "posttrain" / "jax"
+    assert any(p.name.endswith("-cache") for p in cache.iterdir()), list(cache.iterdir())
+
+
+def test_train_and_export_leave_no_scratch_directory(tmp_path, monkeypatch):
+    """A run, then `posttrain export` of its checkpoint: /tmp is as it was."""
+    import tempfile
+
+    from tiny_job import run_job, tiny_job
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    data = ROOT / "examples/data/chat-sft.jsonl"
+    doc = tiny_job(make_tiny_llama(tmp_path / "llama"), data, tmp_path / "out", steps=1, every=1)
+    assert run_job(doc).step == 1
+    assert list(temp.iterdir()) == []
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    assert cli.main(["export", str(job), "--step", "1"]) == 0
+    assert (tmp_path / "out" / "hf-step-1").is_dir()
+    assert list(temp.iterdir()) == []

@@ -71,7 +71,19 @@ def export_checkpoint(
                 f"(this export is {'merged' if chosen != 'none' else 'none'})"
             )
         adapter_base.base_model(spec.model.source, base)  # refuses a bad name before loading
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-"))
+    with tempfile.TemporaryDirectory(prefix="posttrain-") as scratch:  # nothing left in /tmp
+        return _restore_and_export(job, step, kind, best, base, Path(scratch))
+
+
+def _restore_and_export(
+    job: PostTrainJob,
+    step: int | None,
+    kind: str | None,
+    best: bool,
+    base: str | None,
+    scratch: Path,
+) -> tuple[int, str | None]:
+    spec = job.spec
     mesh = models.make_mesh()
     log.info("loading the model from %s", spec.model.source)
     policy = load_policy(spec, mesh, scratch)

@@ -17,12 +17,22 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import USER_ERROR_EXIT_CODE
-from posttrain.trainer import adapter_base, data, lora, models, peft_format, sources, storage
+from posttrain.trainer import (
+    adapter_base,
+    compile_cache,
+    data,
+    lora,
+    models,
+    peft_format,
+    sources,
+    storage,
+)
 
 
 def resolve(target: str) -> str:
@@ -98,6 +108,10 @@ def stream(
     mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
     for i in range(max_new_tokens):
         logits, cache = _next_logits(model, tokens, positions, cache, mask)
+        if i == 0 and max_new_tokens > 1:  # compile the decoding step before the first token
+            at = jnp.full((1, 1), length, jnp.int32)  # the next step's shapes and types
+            step_mask = (slots <= length)[None, None, :]
+            jax.block_until_ready(_next_logits(model, at, at, cache, step_mask))
         row = np.asarray(logits[0], np.float64)
         if temperature > 0:
             p = np.exp((row - row.max()) / temperature)
@@ -150,13 +164,16 @@ def generate_command(args: argparse.Namespace) -> int:
         print("posttrain: --temperature must be >= 0 and --max-new-tokens >= 1", file=sys.stderr)
         return 2
     print(f"posttrain: loading {args.target}", file=sys.stderr, flush=True)
+    compile_cache.enable()  # shared with `posttrain run`: a second generate loads its programs
     try:
-        model, tokenizer = load(args.target, Path(tempfile.mkdtemp(prefix="posttrain-")))
+        with tempfile.TemporaryDirectory(prefix="posttrain-") as scratch:  # a gs:// copy
+            model, tokenizer = load(args.target, Path(scratch))
         ids = prompt_ids(tokenizer, args.prompt, args.chat_template)
     except (ValueError, OSError) as e:
         print(f"posttrain: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    # The first token compiles the prefill and the decoding step: the longest wait.
+    # The first token compiles the prefill and the decoding step: the longest wait, and
+    # the only one (the reply then streams without a pause).
     print("posttrain: compiling, then the reply streams below", file=sys.stderr, flush=True)
     for piece in reply(model, tokenizer, ids, args):
         print(piece, end="", flush=True)

@@ -40,9 +40,11 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
-    from posttrain.trainer import cpu_flags, host_malloc
+    from posttrain.trainer import compile_cache, cpu_flags, host_malloc
 
     cpu_flags.apply()  # before JAX starts its CPU backend
+    if not in_pod:  # shared with `posttrain generate` and `export` on this machine
+        compile_cache.enable()
     if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
         host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
@@ -270,8 +272,10 @@ def export_command(args: argparse.Namespace) -> int:
     if why is not None:
         print(f"posttrain: {args.file}: {why}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    from posttrain.trainer import compile_cache
     from posttrain.trainer.export import export_checkpoint
 
+    compile_cache.enable()
     try:
         step, uri = export_checkpoint(job, args.step, args.format, best=args.best, base=args.base)
     except storage.Unreachable as e:

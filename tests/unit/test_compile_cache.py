@@ -1,0 +1,14 @@
+"""Where `posttrain run`/`generate`/`export` keep compiled programs (compile_cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.trainer.compile_cache import directory
+
+
+def test_the_cache_is_under_the_users_cache_unless_told_otherwise():
+    assert directory({}) == str(Path.home() / ".cache" / "posttrain" / "jax")
+    assert directory({"POSTTRAIN_JAX_CACHE": "/scratch/jax"}) == "/scratch/jax"
+    assert directory({"POSTTRAIN_JAX_CACHE": ""}) is None  # off
+    assert directory({"JAX_COMPILATION_CACHE_DIR": "/mine"}) is None  # JAX's own wins
