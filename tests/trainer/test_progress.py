@@ -80,6 +80,21 @@ def test_bar_stays_readable_at_80_columns(monkeypatch):
     progress.close(2, METRICS)
 
 
+def test_an_rl_bar_shows_the_reward_not_the_loss(monkeypatch):
+    """GRPO's loss is about zero at every step (advantages are centred per group): the
+    bar shows the mean reward and the completion length instead."""
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = Progress(30, 0, True, None, show_bar=True, columns=80)
+    grpo = {**METRICS, "loss": -2.98e-08, "reward": 0.4375, "completion_length": 23.6}
+    progress.step(3, grpo, log_now=True)
+    bar = last_line(screen)
+    assert len(bar) <= 80, bar
+    assert "reward=0.438" in bar and "len=24" in bar and "tok/s=1234" in bar, bar
+    assert "loss" not in bar
+    progress.close(3, grpo)
+
+
 def test_log_records_go_above_the_bar(monkeypatch, caplog):
     screen = Terminal()
     monkeypatch.setattr("sys.stderr", screen)

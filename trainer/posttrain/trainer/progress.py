@@ -33,10 +33,18 @@ def _shown(metrics: dict[str, float]) -> dict[str, str]:
 # What the bar shows (few, so that it stays readable at 80 columns); every metric goes to
 # the log line of each log step, above the bar.
 ON_BAR = {"loss": ("loss", "{:.4g}"), "tokens_per_second": ("tok/s", "{:.0f}")}
+# RL (GRPO's family): its loss is near zero by construction (advantages are centred per
+# group), so the bar shows whether it learns: the mean reward and completion length.
+RL_ON_BAR = {
+    "reward": ("reward", "{:.3g}"),
+    "completion_length": ("len", "{:.0f}"),
+    "tokens_per_second": ("tok/s", "{:.0f}"),
+}
 
 
 def _on_bar(metrics: dict[str, float]) -> dict[str, str]:
-    return {name: fmt.format(metrics[k]) for k, (name, fmt) in ON_BAR.items() if k in metrics}
+    chosen = RL_ON_BAR if "reward" in metrics else ON_BAR
+    return {name: fmt.format(metrics[k]) for k, (name, fmt) in chosen.items() if k in metrics}
 
 
 # GRPO's sampler metrics (posttrain.trainer.rl_placement) in status.progress.rollout.
