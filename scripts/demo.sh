@@ -57,7 +57,7 @@ cat <<'NEXT'
 next, in this shell:
   . .venv/bin/activate     # puts posttrain on PATH (in each new shell)
   posttrain generate examples/sft-lora-smollm2-cpu.yaml --prompt "What is the capital of France?"
-  posttrain run examples/grpo-lora-smollm2-cpu.yaml --steps 2   # another technique, shortened
+  posttrain run examples/grpo-lora-smollm2-cpu.yaml --steps 2   # another technique, shortened (into runs/grpo-lora-smollm2-steps-2)
 the user's guide: docs/user-guide.md (writing jobs, outputs, resume, export, clusters)
 TensorBoard (not a posttrain dependency): pip install tensorboard && tensorboard --logdir runs/sft-lora-smollm2/tensorboard
 NEXT

@@ -186,6 +186,58 @@ def test_steps_below_the_warmup_caps_the_warmup(tmp_path, capsys):
         _load_run(flags(0))
 
 
+def test_a_shortened_run_writes_beside_the_jobs_output(tmp_path, capsys):
+    """`posttrain run job.yaml --steps 2` is a quick try: it must not become the job's own
+    run, which a later plain run would resume with the try's schedule."""
+    from posttrain.trainer.main import _load_run
+
+    job = job_file(tmp_path)  # steps: 10
+
+    def flags(steps, output=None):
+        return argparse.Namespace(file=str(job), output=output, steps=steps)
+
+    short = _load_run(flags(2))
+    assert short.spec.output.uri == f"{tmp_path / 'run'}-steps-2"
+    assert short.spec.training.warmup_steps == 1
+    assert f"--steps 2: writing to {tmp_path / 'run'}-steps-2" in capsys.readouterr().err
+    assert _load_run(flags(10)).spec.output.uri == str(tmp_path / "run")  # the file's own
+    assert _load_run(flags(None)).spec.output.uri == str(tmp_path / "run")
+    chosen = _load_run(flags(2, str(tmp_path / "try")))
+    assert chosen.spec.output.uri == str(tmp_path / "try")
+
+
+def test_a_run_does_not_resume_checkpoints_of_another_schedule(tmp_path):
+    from posttrain.checks import load_job
+    from posttrain.trainer import run_schedule
+
+    out, job = tmp_path / "run", job_file(tmp_path)
+    short = load_job(str(job), {"spec.training.steps": 6}).spec
+    run_schedule.check_and_record(short, is_main=True)  # a new output: recorded
+    (out / "checkpoints" / "6").mkdir(parents=True)
+    run_schedule.check_and_record(short, is_main=True)  # its own checkpoints: resumes
+    full = load_job(str(job)).spec
+    with pytest.raises(ValueError) as refused:
+        run_schedule.check_and_record(full, is_main=True)
+    said = str(refused.value)
+    assert said.startswith(f"spec.training.steps: {out} holds checkpoints of a run with steps 6")
+    assert "--output DIR" in said and "(steps 6)" in said
+    assert json.loads((out / "schedule.json").read_text())["steps"] == 6  # left as it was
+    # Without checkpoints (a run stopped before its first), the new schedule is recorded.
+    (out / "checkpoints" / "6").rmdir()
+    run_schedule.check_and_record(full, is_main=True)
+    assert json.loads((out / "schedule.json").read_text())["steps"] == 10
+    # A constant learning rate: more steps of it continue the run.
+    constant = {"spec.training.schedule": "constant"}
+    run_schedule.check_and_record(load_job(str(job), constant).spec, is_main=True)
+    (out / "checkpoints" / "10").mkdir()
+    longer = {**constant, "spec.training.steps": 20}
+    run_schedule.check_and_record(load_job(str(job), longer).spec, is_main=True)
+    with pytest.raises(ValueError, match=r"^spec\.training\.batchSize: "):
+        run_schedule.check_and_record(
+            load_job(str(job), {**longer, "spec.training.batchSize": 4}).spec, is_main=True
+        )
+
+
 def test_cpu_runs_do_not_ask_for_jax_tpu(caplog):
     from absl import logging as absl_logging
 

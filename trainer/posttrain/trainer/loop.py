@@ -33,7 +33,17 @@ from flax import nnx
 
 from posttrain.api.batching import batch_split_error
 from posttrain.api.spec import PostTrainJob
-from posttrain.trainer import data, evaluate, goodput, models, optim, rl_placement, sft, storage
+from posttrain.trainer import (
+    data,
+    evaluate,
+    goodput,
+    models,
+    optim,
+    rl_placement,
+    run_schedule,
+    sft,
+    storage,
+)
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
 from posttrain.trainer.data.host_data import build_data
@@ -101,6 +111,7 @@ def train(
     check_gcs_locations(spec)
     if (done := finished_run(spec)) is not None:
         return done
+    run_schedule.check_and_record(spec, jax.process_index() == 0)  # not another run's
     technique = train_sft
     if spec.technique != "sft":
         module = importlib.import_module(TECHNIQUES[str(spec.technique)])
@@ -485,6 +496,7 @@ def _write_summary(spec: Any, result: Result, metrics: dict[str, float]) -> None
         "loss": metrics.get("loss"),
         "export": result.export_dir,
         "goodput": result.goodput,
+        "schedule": run_schedule.schedule_of(spec),
         "finishedAt": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     storage.write_text(storage.join(spec.output.uri, SUMMARY), json.dumps(summary, indent=2) + "\n")

@@ -126,7 +126,28 @@ WARMUP = "spec.training.warmupSteps"
 
 def _load_run(args: argparse.Namespace) -> PostTrainJob:
     """The job of `posttrain run FILE [--output] [--steps]`. A --steps at or below the
-    file's spec.training.warmupSteps caps the warmup to the shortened run (steps - 1)."""
+    file's spec.training.warmupSteps caps the warmup to the shortened run (steps - 1). A
+    --steps other than the file's, without --output, writes beside the job's output
+    (<uri>-steps-<N>), so that a quick try is never resumed as the job's own run."""
+    job = _load_overridden(args)
+    if args.steps is None or args.output is not None:
+        return job
+    try:
+        written = load_job(args.file).spec.training.steps
+    except InvalidJob:
+        written = None
+    if written == args.steps:
+        return job
+    uri = f"{job.spec.output.uri.rstrip('/')}-steps-{args.steps}"
+    print(
+        f"posttrain: --steps {args.steps}: writing to {uri}, not the job's own output "
+        "(--output DIR to choose)",
+        file=sys.stderr,
+    )
+    return _load_overridden(argparse.Namespace(**{**vars(args), "output": uri}), quiet=True)
+
+
+def _load_overridden(args: argparse.Namespace, quiet: bool = False) -> PostTrainJob:
     overrides = {"spec.output.uri": args.output, "spec.training.steps": args.steps}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -138,6 +159,8 @@ def _load_run(args: argparse.Namespace) -> PostTrainJob:
         if not (warmup_only and isinstance(args.steps, int) and args.steps > 0):
             raise
     job = load_job(args.file, {**overrides, "spec.training.warmupSteps": args.steps - 1})
+    if quiet:
+        return job
     try:
         written = f" {load_job(args.file).spec.training.warmup_steps}"
     except InvalidJob:
