@@ -50,6 +50,18 @@ def _missing_here(job: PostTrainJob, path: str) -> list[str]:
     return [f"{line}; posttrain run needs it here" for line in missing_inputs(job.spec, path)]
 
 
+def _memory_here(job: PostTrainJob) -> list[str]:
+    """A CPU job's host memory against this machine's, as `posttrain run` checks it."""
+    from posttrain import host_memory
+
+    if job.spec.resources.accelerator != "cpu":
+        return []
+    verdict, why = host_memory.on_this_machine(job.spec)
+    if verdict == "refuse":
+        return [f"posttrain run would refuse it here: {why}"]
+    return [why] if why else []
+
+
 def _unreadable_in_gcs(job: PostTrainJob) -> tuple[list[str], str | None]:
     """gs:// inputs that this machine's Google credentials cannot read (a missing bucket
     or object, no access), and a note when they were not checked: no credentials here,
@@ -90,7 +102,8 @@ def _validate(args: argparse.Namespace) -> int:
         else:
             print(f"{printable(path)}: valid")
             in_gcs, note = _unreadable_in_gcs(job)
-            for line in [*warnings(job), *_missing_here(job, path), *in_gcs]:
+            here = [*_missing_here(job, path), *_memory_here(job), *in_gcs]
+            for line in [*warnings(job), *here]:
                 print(f"{printable(path)}: warning: {printable(line)}", file=sys.stderr)
             if note:
                 print(f"{printable(path)}: note: {printable(note)}", file=sys.stderr)

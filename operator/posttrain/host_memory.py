@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from posttrain import capacity
+from posttrain import capacity, catalog
 from posttrain.api import model_shapes
 from posttrain.api.kube_values import parse_quantity
 from posttrain.api.spec import PostTrainJobSpec
@@ -130,3 +130,33 @@ def estimate(spec: PostTrainJobSpec, placement: Placement) -> HostEstimate | Non
         available_gib=available,
         available_from=available_from,
     )
+
+
+SKIP_ENV = "POSTTRAIN_SKIP_MEMORY_CHECK"  # =1: `posttrain run` a job the estimate refuses
+
+
+def on_this_machine(spec: PostTrainJobSpec) -> tuple[str, str | None]:
+    """What `posttrain run` does about a job's host memory when JAX runs on this
+    machine's CPU, as admission does on a cluster: ("refuse", why) when the estimate is
+    more than capacity.BAND above this machine's memory, ("warn", why) within BAND of it,
+    else ("fit", None); also "fit" for a model of no known shape. spec.resources.memory
+    (a pod's) does not count here: this machine's does."""
+    local = spec.model_copy(
+        update={"resources": spec.resources.model_copy(update={"memory": None})}
+    )
+    est = estimate(local, catalog.resolve("cpu", None))
+    if est is None or est.available_gib <= 0:
+        return "fit", None
+    need = (
+        f"the job needs about {est.total_gib:.1f} GiB of host memory (posttrain estimate), "
+        f"{est.total_gib / est.available_gib:.0%} of this machine's {est.available_gib:.1f} GiB"
+    )
+    if est.total_gib > capacity.REFUSE_ABOVE * est.available_gib:
+        return "refuse", (
+            f"spec.resources.accelerator: {need}; try LoRA, a smaller "
+            "spec.training.batchSize or spec.data.maxLength, or spec.training.remat: layer "
+            f"({SKIP_ENV}=1 runs it anyway)"
+        )
+    if est.total_gib > capacity.WARN_ABOVE * est.available_gib:
+        return "warn", f"{need}: within the estimate's {capacity.BAND:.0%} of what it has"
+    return "fit", None

@@ -121,3 +121,37 @@ def test_every_cpu_example_is_estimated_within_the_laptop_budget(path, monkeypat
     spec = load_job(str(path)).spec
     est = host_memory.estimate(spec, catalog.resolve("cpu", None))
     assert est is not None and est.total_gib <= 4.0, est and est.table()
+
+
+def test_run_checks_the_estimate_against_this_machines_memory(monkeypatch):
+    """`posttrain run` refuses, before anything loads, a job that needs more host memory
+    than this machine has (by more than the estimate's band), warns within the band, and
+    does not count a pod's spec.resources.memory on this machine; any accelerator job run
+    here on CPU too."""
+    monkeypatch.setattr(host_memory, "machine_memory_gib", lambda: 23.5)
+    big = {"source": "/models/Llama-3.1-70B", "dtype": "float32"}
+
+    def verdict(doc):
+        return host_memory.on_this_machine(PostTrainJobSpec.model_validate(doc["spec"]))
+
+    assert verdict(job()) == ("fit", None)
+    said, why = verdict(job(model=big, resources={"accelerator": "cpu", "memory": "2Ti"}))
+    assert said == "refuse" and why.startswith("spec.resources.accelerator: the job needs")
+    assert "of this machine's 23.5 GiB" in why and "POSTTRAIN_SKIP_MEMORY_CHECK=1" in why
+    assert verdict(job("v6e-8", model=big))[0] == "refuse"
+    need = estimate(job()).total_gib
+    monkeypatch.setattr(host_memory, "machine_memory_gib", lambda: need * 1.1)
+    said, why = verdict(job())
+    assert said == "warn" and "within the estimate's 25%" in why
+
+
+def test_validate_warns_of_a_cpu_job_this_machine_cannot_hold(tmp_path, monkeypatch, capsys):
+    from posttrain import cli
+
+    monkeypatch.setattr(host_memory, "machine_memory_gib", lambda: 23.5)
+    doc = job(model={"source": "/models/Llama-3.1-70B", "dtype": "float32"})
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["validate", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}: warning: posttrain run would refuse it here: spec.resources." in err

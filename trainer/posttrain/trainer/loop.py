@@ -46,7 +46,7 @@ from posttrain.trainer import (
 )
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
-from posttrain.trainer.data.host_data import build_data
+from posttrain.trainer.data.host_data import build_data, check_row_count
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.export import OutputDir, best_checkpoint, export_model
 from posttrain.trainer.policy import (
@@ -219,6 +219,7 @@ def setup_run(
     try:  # a signal ends the process from the watcher thread; stop.check() is the fallback
         # GRPO with a disaggregated sampler trains on its share of the devices only.
         mesh = models.make_mesh(devices=rl_placement.split_devices(spec)[0])
+        check_row_count(spec, process)  # too few rows: said before the model loads
         log.info("loading the model from %s", spec.model.source)
         policy = load_policy(spec, mesh, scratch)
         stop.check()

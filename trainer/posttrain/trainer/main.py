@@ -56,6 +56,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         return pathways.UNREACHABLE_EXIT_CODE
     info = distributed.process_info()
     distributed.initialize(info)
+    if not in_pod and (code := _memory_exit(job)) is not None:  # before anything loads
+        return code
     try:
         if in_pod:  # the devices the operator gave the job (locally: whatever is there)
             device_check.check(job)
@@ -93,6 +95,27 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     if result.export_dir and not result.already_finished:
         log.info("exported to %s", result.export_dir)
     return 0
+
+
+def _memory_exit(job: PostTrainJob) -> int | None:
+    """On this machine's CPU, the job's host memory estimate against what the machine
+    has, as admission checks a cluster job (posttrain.host_memory.on_this_machine): the
+    exit code of a job it refuses, after one line saying why; None to go on."""
+    import os
+
+    import jax
+
+    from posttrain import host_memory
+
+    if jax.devices()[0].platform != "cpu" or os.environ.get(host_memory.SKIP_ENV) == "1":
+        return None
+    verdict, why = host_memory.on_this_machine(job.spec)
+    if verdict == "refuse":
+        print(f"posttrain: {why}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    if why:
+        log.warning("%s", why)
+    return None
 
 
 def _setup_logging() -> None:

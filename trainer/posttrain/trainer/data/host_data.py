@@ -8,7 +8,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from posttrain.trainer import storage
-from posttrain.trainer.data.loader import DataLoader, build_loader
+from posttrain.trainer.data.errors import DataError
+from posttrain.trainer.data.loader import DataLoader, build_loader, row_count_error
 from posttrain.trainer.data.mixing import MixedRows, open_mixture
 from posttrain.trainer.data.reading import open_train_and_eval
 from posttrain.trainer.data.rows import build_rows
@@ -19,6 +20,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("posttrain.trainer")
 DATA_INDEX = "data-index"  # under output.uri: cached offset indexes of jsonl data
+
+
+def check_row_count(spec: Any, process: ProcessInfo) -> None:
+    """Before the model loads: a dataset with fewer training rows than one step takes
+    (unpacked, one source) is refused now, with the DataError the loader would raise
+    once everything had loaded. Opening the rows reads only what finds them (a jsonl
+    file's offset index is built once and cached for build_data)."""
+    if spec.data.sources or spec.data.packing:
+        return
+    where = {"index_dir": storage.join(spec.output.uri, DATA_INDEX)}
+    train_rows, _ = open_train_and_eval(spec, **where, process_index=process.process_id)
+    if len(train_rows) < spec.training.batch_size:
+        raise DataError(row_count_error(len(train_rows), spec.training.batch_size))
 
 
 def build_data(spec: Any, tokenizer: Tokenizer, process: ProcessInfo) -> tuple[DataLoader, Any]:

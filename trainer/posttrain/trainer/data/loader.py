@@ -92,10 +92,7 @@ class DataLoader:
         if problem := batch_split_error(B, gradient_accumulation, P):
             raise DataError(problem)
         if len(rows) < B and not packing:
-            raise DataError(
-                f"the dataset has {len(rows)} rows, fewer than spec.training.batchSize "
-                f"({B}); use more data or a smaller batchSize"
-            )
+            raise DataError(row_count_error(len(rows), B))
         if packing and not rows.packable:
             raise DataError("spec.data.packing: only sft and distill rows of text are packed")
         self.rows = rows
@@ -534,6 +531,14 @@ def _deal(hosts: Sequence[Mapping[str, Any]], p: int, count: int) -> tuple[list,
         pending.extend([w, 0] for w in range(int(h["next"]), frontier, int(h["stride"])))
     pending.sort()
     return pending[p::count], frontier + p, count
+
+
+def row_count_error(rows: int, batch_size: int) -> str:
+    """Why `rows` rows cannot fill a step of `batch_size` (unpacked)."""
+    return (
+        f"the dataset has {rows} rows, fewer than spec.training.batchSize "
+        f"({batch_size}); use more data or a smaller batchSize"
+    )
 
 
 def build_loader(
