@@ -2,6 +2,8 @@
 
 posttrain validate FILE...   check PostTrainJob files; every error names its field
 posttrain estimate FILE      the memory a job needs per device (host memory on CPU), term by term
+  --compile                  its train step compiled for its accelerator: the TPU compiler
+                             (posttrain[tpu-compile], no TPU needed) or XLA:CPU
 posttrain render FILE        print the objects the operator would create, as YAML
 posttrain crd                print the CustomResourceDefinition
 posttrain run FILE           train locally from the same file (trainer extra)
@@ -10,9 +12,9 @@ posttrain operator           run the controller (operator extra)
 
 Exit codes: 0 done; 1 a file that is not a valid job (validate, estimate, render), nothing
 to show (logs), or an unexpected error, in one line (POSTTRAIN_TRACEBACK=1 prints its
-traceback); 2 bad flags; 65 an error in the job's input, named by field, file or flag
-(run, export, generate, convert-gguf, train); 75 a server that did not answer; 130
-interrupted (Ctrl-C; for run, before its first step); 143 run or train stopped by SIGTERM
+traceback); 2 bad flags (or a missing extra); 65 an error in the job's input, named by
+field, file or flag (run, export, generate, convert-gguf, train, estimate --compile); 75 a
+server that did not answer; 130 interrupted (Ctrl-C; for run, before its first step); 143 run or train stopped by SIGTERM
 (or run by Ctrl-C once training), after saving a checkpoint when a step was done.
 """
 
@@ -131,6 +133,8 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
+    if getattr(args, "compile", False) and (code := _estimate_compiled(args.file, job)) is not None:
+        return code
     if placement.kind == "cpu":
         return _estimate_host(args.file, job)
     est = capacity.estimate(job.spec, placement)
@@ -152,6 +156,46 @@ def _estimate(args: argparse.Namespace) -> int:
     for line in capacity.suggestions(job.spec, placement, est):
         print(f"  {line}")
     return 0 if est.fits else 1
+
+
+def _estimate_compiled(path: str, job: PostTrainJob) -> int | None:
+    """`posttrain estimate --compile`: the job's train step compiled for its accelerator
+    (posttrain.trainer.tpu_compile); None where nothing here compiles for it (a GPU job:
+    the estimate follows, after a line saying so). 0 fits, 1 does not, 2 a missing extra,
+    65 an input the compile cannot take (named by field)."""
+    from posttrain import catalog
+
+    try:
+        from posttrain.trainer import tpu_compile
+    except ImportError as e:
+        print(
+            f"posttrain estimate --compile needs the 'trainer' extra: "
+            f"pip install 'posttrain[trainer]' ({e})",
+            file=sys.stderr,
+        )
+        return 2
+    res = job.spec.resources
+    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
+    try:
+        report = tpu_compile.compile_report(job.spec, placement)
+    except tpu_compile.MissingCompiler as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"{printable(path)}: {printable(_one_line(e).removeprefix('ValueError: '))}",
+              file=sys.stderr)  # fmt: skip
+        return 65
+    except Exception as e:
+        if os.environ.get("POSTTRAIN_TRACEBACK"):
+            raise
+        print(f"posttrain estimate --compile: {printable(_one_line(e))} "
+              "(POSTTRAIN_TRACEBACK=1 shows where)", file=sys.stderr)  # fmt: skip
+        return 1
+    for line in report.lines:
+        print(printable(line))
+    if report.fits is None:
+        return None
+    return 0 if report.fits else 1
 
 
 def _estimate_host(path: str, job: PostTrainJob) -> int:
@@ -299,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("estimate", help="the memory a job needs per device (on CPU: host memory)")
     p.add_argument("file")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the job's train step for its accelerator and topology with its own "
+        "compiler (TPU: libtpu, the tpu-compile extra, no TPU needed; CPU: XLA:CPU) and "
+        "print the compiler's memory per device and flops",
+    )
     p.set_defaults(func=_estimate)
 
     p = sub.add_parser("render", help="print the objects the operator would create")

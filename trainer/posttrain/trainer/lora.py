@@ -164,10 +164,14 @@ def apply_lora(
     *,
     dropout: float = 0.0,
     seed: int = 0,
+    abstract: bool = False,
 ) -> nnx.Module:
     """A copy of ``model`` with qwix LoRA adapters on the modules ``target_regex`` selects.
 
     ``target_regex``: see ``resolve_targets`` (None = ``default_lora_targets(family)``).
+    ``abstract``: the adapters as ``jax.ShapeDtypeStruct``s with their shardings on
+    ``mesh``, nothing allocated or run on its devices (``step_memory`` on compile-only
+    TPU devices, where any operation that runs fails).
     Raises ValueError naming ``spec.lora.targetModules`` when the selection adapts no
     module, or when a selected module did not get an adapter.
     """
@@ -187,22 +191,23 @@ def apply_lora(
     provider = _LoraProvider(module_path=regex, rank=rank, alpha=alpha, dropout=dropout)
     mesh = mesh if mesh is not None else _mesh_of(model)
     batch = int(mesh.shape.get("fsdp", 1))
+    # tokens, positions, no cache, the attention mask: abstract, so nothing runs here
     args = (
-        jnp.ones((batch, 1), jnp.int32),
-        jnp.zeros((batch, 1), jnp.int32),
+        jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+        jax.ShapeDtypeStruct((batch, 1), jnp.int32),
         None,
-        jnp.ones((batch, 1, 1), jnp.bool_),
+        jax.ShapeDtypeStruct((batch, 1, 1), jnp.bool_),
     )
 
     # qwix creates the adapters during one forward pass. Run it abstractly (a trace, no
     # compilation, no device memory), then take the base params from `model` and make
     # the LoRA params here, each host building only its shards.
-    def adapt(base):
-        return qwix.apply_lora_to_model(base, provider, *args, rngs=nnx.Rngs(seed))
+    def adapt(base, *inputs):
+        return qwix.apply_lora_to_model(base, provider, *inputs, rngs=nnx.Rngs(seed))
 
     with jax.set_mesh(mesh):
-        abstract = nnx.eval_shape(adapt, model)
-    graphdef, abs_state = nnx.split(abstract)
+        adapted = nnx.eval_shape(adapt, model, *args)
+    graphdef, abs_state = nnx.split(adapted)
     base = dict(nnx.to_flat_state(nnx.state(model)))
     flat = {}
     lora_paths = sorted(
@@ -210,7 +215,8 @@ def apply_lora(
     )
     for path, var in nnx.to_flat_state(abs_state):
         if isinstance(var, nnx.LoRAParam):
-            flat[path] = var.copy(_init_lora(var, path, lora_paths.index(path), seed, mesh))
+            init = _abstract_lora if abstract else _init_lora
+            flat[path] = var.copy(init(var, path, lora_paths.index(path), seed, mesh))
         elif path in base:
             flat[path] = base[path].copy()
         else:
@@ -256,6 +262,17 @@ def _mesh_of(model: nnx.Module):
     return models.make_mesh(1, 1, jax.devices()[:1])
 
 
+def _lora_sharding(var: nnx.Variable, mesh) -> jax.sharding.NamedSharding:
+    spec = var.get_metadata().get("out_sharding") or ()
+    spec = models.fit_spec(spec, tuple(var.shape), mesh)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _abstract_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh):
+    """An adapter's shape, float32 dtype and sharding, as _init_lora would make it."""
+    return jax.ShapeDtypeStruct(tuple(var.shape), jnp.float32, sharding=_lora_sharding(var, mesh))
+
+
 def _init_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh) -> jax.Array:
     """qwix's initial LoRA values: lora_a he-uniform over its fan-in, lora_b zeros; drawn
     on the host from (seed, index) so every host draws the same and keeps its shards.
@@ -267,10 +284,7 @@ def _init_lora(var: nnx.Variable, path: tuple, index: int, seed: int, mesh) -> j
         value = rng.uniform(-bound, bound, size=shape).astype(dtype)
     else:
         value = np.zeros(shape, dtype)
-    spec = var.get_metadata().get("out_sharding") or ()
-    spec = models.fit_spec(spec, shape, mesh)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    return jax.make_array_from_callback(shape, sharding, lambda idx: value[idx])
+    return jax.make_array_from_callback(shape, _lora_sharding(var, mesh), lambda idx: value[idx])
 
 
 def natural_order(path: str) -> list:

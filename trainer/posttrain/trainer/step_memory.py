@@ -45,16 +45,21 @@ def mesh_of(slices: int, per_slice: int, devices: list[Any] | None = None) -> ja
     )
 
 
-def _abstract(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+def _abstract(tree: Any, mesh: jax.sharding.Mesh, dtype: Any = None) -> Any:
     """Each leaf of an nnx state as a ShapeDtypeStruct with its annotated sharding, as the
-    trainer places it (axes that do not divide a dimension dropped)."""
+    trainer places it (axes that do not divide a dimension dropped); with `dtype`, every
+    floating-point leaf in it, as the loader casts each weight it reads (Tunix's Llama 3
+    config carries no parameter dtype: its abstract model is float32 whatever the job's)."""
 
     def place(x, spec):
         if not hasattr(x, "shape"):
             return x
         fitted = models.fit_spec(tuple(spec), tuple(x.shape), mesh)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*fitted))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        kind = x.dtype
+        if dtype is not None and jnp.issubdtype(kind, jnp.floating):
+            kind = dtype
+        return jax.ShapeDtypeStruct(x.shape, kind, sharding=sharding)
 
     specs = nnx.get_partition_spec(tree)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
@@ -67,7 +72,7 @@ def _model(source: str, mesh, dtype, compute, remat: str, layers=None, family="a
         vision=vision, remat=remat,
     )  # fmt: skip
     model = models.abstract_model(info, extras, mesh)
-    nnx.update(model, _abstract(nnx.state(model), mesh))
+    nnx.update(model, _abstract(nnx.state(model), mesh, info.dtype))
     return model, info
 
 
@@ -79,6 +84,32 @@ def remat_on_accelerator(spec: PostTrainJobSpec) -> str:
 
 def compiled_memory(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> dict[str, int]:
     """memory_analysis() of one device for the job's compiled train step on `mesh`."""
+    return memory_of(compile_step(spec, mesh))
+
+
+def memory_of(compiled: Any) -> dict[str, int]:
+    """A compiled program's memory_analysis() of one device, as a dict of bytes."""
+    memory = compiled.memory_analysis()
+    return {
+        "argument": memory.argument_size_in_bytes,
+        "output": memory.output_size_in_bytes,
+        "alias": memory.alias_size_in_bytes,
+        "temp": memory.temp_size_in_bytes,
+    }
+
+
+def compile_step(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> Any:
+    """The job's train step compiled ahead of time for `mesh`'s devices (simulated CPU
+    devices, a real accelerator's, or compile-only TPU devices: nothing runs on them)."""
+    step, args = build(spec, mesh)
+    with jax.set_mesh(mesh):
+        return step.lower(*args).compile()
+
+
+def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
+    """The job's jitted train step and its abstract arguments on `mesh` (model, optimizer,
+    reference or teacher, batch): ``step.lower(*args)`` under ``jax.set_mesh(mesh)``
+    compiles what the trainer runs. Only traces: no array is made on mesh's devices."""
     from posttrain.trainer import distill, dpo, grpo, lora, sft
     from posttrain.trainer.models import vision as vision_lib
 
@@ -102,8 +133,9 @@ def compiled_memory(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> dict[str
                 vision_lib.unfreeze_tower(model)
         if spec.lora:
             model = lora.apply_lora(
-                model, spec.lora.rank, spec.lora.alpha, spec.lora.target_modules, mesh
-            )
+                model, spec.lora.rank, spec.lora.alpha, spec.lora.target_modules, mesh,
+                abstract=True,
+            )  # fmt: skip
             wrt = nnx.LoRAParam
         opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, optim.optimizer(t), wrt=wrt), model)
         nnx.update(opt, _abstract(nnx.state(opt), mesh))
@@ -163,10 +195,4 @@ def compiled_memory(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> dict[str
                 "rewards": ((rows_n, max(1, len(g.rewards))), jnp.float32),
             }
             args = (reference, arrays(shapes))
-        memory = step.lower(model, opt, *args).compile().memory_analysis()
-    return {
-        "argument": memory.argument_size_in_bytes,
-        "output": memory.output_size_in_bytes,
-        "alias": memory.alias_size_in_bytes,
-        "temp": memory.temp_size_in_bytes,
-    }
+    return step, (model, opt, *args)

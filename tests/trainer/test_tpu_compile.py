@@ -1,0 +1,171 @@
+"""Compile-only TPU tier: the trainer's own step (posttrain.trainer.step_memory) compiled
+by the TPU compiler on this CPU machine, over compile-only TPU devices from libtpu
+(posttrain.trainer.tpu_compile; nothing runs on them), and `posttrain estimate --compile`.
+Tiny models keep each compile to seconds. Skipped, saying why, only where libtpu is not
+installed (the tpu-compile extra, part of dev); the dtype test and the command's
+missing-extra and GPU answers need no libtpu."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+import yaml
+from flax import nnx
+
+from posttrain import cli
+from posttrain.api.spec import PostTrainJobSpec
+
+pytestmark = pytest.mark.trainer
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install 'posttrain[tpu-compile]'): no TPU compiler",
+)
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+         "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+         "vocab_size": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+         "max_position_embeddings": 4096, "rope_theta": 500000.0,
+         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                          "rope_type": "llama3", "original_max_position_embeddings": 8192}}  # fmt: skip
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+          "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256,
+          "vocab_size": 512, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 64,
+          "sliding_window": 64, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+          "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+          "max_position_embeddings": 4096,
+          "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+         "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+         "vocab_size": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+         "tie_word_embeddings": True, "max_position_embeddings": 40960}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("configs")
+    for name, config in {"llama": LLAMA, "gemma3": GEMMA3, "qwen3": QWEN3}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _doc(model: Path | str, accelerator: str, **changes) -> dict:
+    spec = {
+        "technique": "sft",
+        "model": {"source": str(model), "dtype": "bfloat16"},
+        "data": {"source": "/data.jsonl", "maxLength": 256},
+        "training": {"batchSize": 8, "remat": "layer"},
+        "output": {"uri": "/out"},
+        "resources": {"accelerator": accelerator},
+    }
+    for key, value in changes.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def _job_file(tmp_path: Path, spec: dict) -> str:
+    path = tmp_path / "job.yaml"
+    doc = {"apiVersion": "posttrain.dev/v1alpha1", "kind": "PostTrainJob",
+           "metadata": {"name": "compile-check"}, "spec": spec}  # fmt: skip
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_abstract_llama_carries_the_jobs_param_dtype(models_dir, lora):
+    """Tunix's Llama 3 config has no parameter dtype (its abstract model is float32): the
+    step compiled for a bf16 LoRA job holds a bf16 base, as the loader casts it, and
+    float32 adapters; a full fine-tune's masters are float32."""
+    from posttrain.trainer import step_memory
+
+    doc = _doc(models_dir / "llama", "v5e-1", **({"lora": {"rank": 8}} if lora else {}))
+    spec = PostTrainJobSpec.model_validate(doc)
+    _, (model, _opt, *_rest) = step_memory.build(spec, step_memory.mesh_of(1, 1))
+    base = jax.tree.leaves(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    adapters = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+    assert {x.dtype for x in base} == {jnp.dtype(jnp.bfloat16 if lora else jnp.float32)}
+    assert len(adapters) == (2 * 7 * 2 if lora else 0)  # a, b x 7 projections x 2 layers
+    assert {x.dtype for x in adapters} <= {jnp.dtype(jnp.float32)}
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "family,changes",
+    [("gemma3", {"lora": {"rank": 8}}), ("llama", {"technique": "dpo", "lora": {"rank": 8}})],
+)
+def test_the_step_compiles_on_compile_only_tpu_devices(models_dir, family, changes):
+    """LoRA on compile-only devices (v5e 2x2) used to fail on an eager operation there
+    ("'Executable' object has no attribute 'local_devices'"): everything is abstract."""
+    from posttrain import capacity, catalog
+    from posttrain.trainer import tpu_compile
+
+    spec = PostTrainJobSpec.model_validate(_doc(models_dir / family, "v5e-4", **changes))
+    placement = catalog.resolve("v5e-4")
+    devices = tpu_compile.tpu_devices(placement)
+    assert len(devices) == 4 and devices[0].platform == "tpu"
+    mesh = tpu_compile.trainer_mesh(devices, capacity.layout(spec, placement))
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 4, "tp": 1}
+    program = tpu_compile.compile_program("train step", spec, mesh)
+    assert program.error is None and program.flops > 0
+    assert 0 < program.peak < 256 << 20
+
+
+@needs_libtpu
+def test_estimate_compile_prints_the_tpu_compilers_figures(models_dir, tmp_path, capsys):
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, _doc(models_dir / "llama",
+                                                                       "v5e-8"))])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "v5e-8 (v5e:2x4, 1 slice, 8 chips)" in out and "1 x 8 (dp x fsdp)" in out
+    for word in ("arguments", "temporaries", "outputs", "total", "fits", "flops"):
+        assert f"  {word}" in out
+    assert "peak 197 TFLOP/s bf16" in out
+
+
+@needs_libtpu
+def test_a_step_over_hbm_does_not_fit_with_the_compilers_figure(models_dir, tmp_path, capsys):
+    """The TPU compiler refuses a step over HBM ("... exceeds available HBM"): reported
+    as "does not fit" with its figures, exit 1, never a traceback."""
+    doc = _doc(models_dir / "qwen3", "v5e-1", data={"maxLength": 8192},
+               training={"batchSize": 16, "remat": "none"})  # fmt: skip
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, doc)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    line = next(x for x in out.splitlines() if "does not fit" in x)
+    need = float(line.split("needs ")[1].split(" GiB")[0])
+    assert need > 15.75 and "15.75 GiB of HBM" in line
+
+
+def test_without_libtpu_the_command_names_the_extra(models_dir, tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))  # fmt: skip
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, _doc(models_dir / "llama",
+                                                                       "v5e-8"))])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "pip install 'posttrain[tpu-compile]'" in err
+
+
+def test_a_gpu_job_falls_back_to_the_estimate_and_says_so(models_dir, tmp_path, capsys):
+    doc = _doc(models_dir / "llama", "nvidia-h100-80gb")
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, doc)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "XLA:GPU cannot compile without a GPU" in out.splitlines()[0]
+    assert "total" in out and "fits" in out.splitlines()[-1]
+
+
+def test_a_model_without_a_local_config_is_named(tmp_path, capsys):
+    doc = _doc("hf://Qwen/Qwen3-0.6B", "v5e-8")
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, doc)])
+    err = capsys.readouterr().err
+    assert code == 65 and "spec.model.source" in err and "config.json" in err
