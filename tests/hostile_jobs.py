@@ -95,12 +95,18 @@ def near_config_limit(margin: int) -> Mutation:
 
         emoji = "\U0001f600"
         grpo(*[{"type": "regexFormat", "pattern": emoji * 1024} for _ in range(16)])(doc)
-        doc["spec"]["data"]["chatTemplate"] = "/t/" + emoji * 2000
+        # Names of 50 emoji (200 bytes): a file name holds at most 255.
+        doc["spec"]["data"]["chatTemplate"] = "/t" + f"/{emoji * 50}" * 40
         doc["spec"]["output"]["uri"] = "/o"
         short = CONFIG_MAX_BYTES - margin - size(doc)
-        doc["spec"]["output"]["uri"] = (
-            "/o/" + emoji * ((short - 1) // 12) + "a" * ((short - 1) % 12)
-        )
+        uri = "/o"
+        while short > 0:  # "/" is 1 byte as JSON, an emoji 12, "a" 1
+            uri, short = uri + "/", short - 1
+            k = min(50, short // 12)
+            uri, short = uri + emoji * k, short - 12 * k
+            if k < 50:
+                uri, short = uri + "a" * short, 0
+        doc["spec"]["output"]["uri"] = uri
 
     return mutate
 

@@ -84,6 +84,33 @@ CASES: list[Case] = [
     Case("missing-output", _del("spec.output"), "spec.output", "required"),
     Case("empty-model-source", _set("spec.model.source", ""), "spec.model.source", "at least 1"),
     Case("unknown-technique", _set("spec.technique", "ppo"), "spec.technique", "sft"),
+    Case(
+        "orpo-technique",
+        _set("spec.technique", "orpo"),
+        "spec.technique",
+        "ORPO is technique: dpo with dpo.algorithm: orpo",
+    ),
+    Case(
+        "hf-dataset",
+        _set("spec.data.source", "hf://HuggingFaceH4/ultrachat_200k"),
+        "spec.data.source",
+        "save it with datasets' save_to_disk, or as parquet or jsonl",
+        server=False,
+    ),
+    Case(  # Path.exists() raised OSError (File name too long) in validate
+        "model-path-name-over-255-bytes",
+        _set("spec.model.source", "/models/" + "m" * 256),
+        "spec.model.source",
+        "is 256 bytes; a file or directory name is at most 255 bytes",
+        server=False,
+    ),
+    Case(
+        "data-path-name-over-255-bytes-of-utf8",
+        _set("spec.data.source", "/data/" + "ä" * 128 + ".jsonl"),
+        "spec.data.source",
+        "is 262 bytes",
+        server=False,
+    ),
     Case("bad-dtype", _set("spec.model.dtype", "int8"), "spec.model.dtype", "bfloat16"),
     Case(
         "lora-rank-zero",

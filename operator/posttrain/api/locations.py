@@ -103,9 +103,18 @@ def _hf_error(rest: str) -> str | None:
     return None
 
 
+NAME_MAX = 255  # bytes of one file name: what Linux file systems (ext4, xfs, overlay) hold
+
+
 def _path_error(path: str) -> str | None:
     if path.startswith("~"):
         return "a path must not start with ~ (nothing expands it in a pod)"
+    for seg in path.split("/"):
+        if (size := len(seg.encode("utf-8", "surrogatepass"))) > NAME_MAX:
+            return (
+                f"the name {seg[:24]}... is {size} bytes; a file or directory name is at "
+                f"most {NAME_MAX} bytes"
+            )
     return _segments_error(path)
 
 

@@ -108,14 +108,42 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
     return f" (did you mean {match}?)" if match else ""
 
 
+# What a user may mean by a technique posttrain has under another name.
+TECHNIQUE_HINTS = {
+    "orpo": "ORPO is technique: dpo with dpo.algorithm: orpo",
+    "rlhf": "reinforcement learning from rewards is technique: grpo",
+    "ppo": "posttrain's policy-gradient technique is grpo (grpo.lossAlgorithm picks the loss)",
+    "dapo": "DAPO is technique: grpo with grpo.lossAlgorithm: dapo",
+    "distillation": "distillation is technique: distill",
+    "lora": "LoRA is spec.lora beside any technique",
+}
+DATASET_HINT = (
+    "; a Hugging Face dataset is read from a copy: save it with datasets' save_to_disk, "
+    "or as parquet or jsonl, and give that directory or file (a path or gs://bucket/path)"
+)
+
+
+def _hint(path: str, e: Any) -> str:
+    """A hint for a mistake with an answer: a technique under another name, a dataset
+    named by hf://."""
+    if path == "spec.technique" and isinstance(e.get("input"), str):
+        hint = TECHNIQUE_HINTS.get(e["input"].strip().lower())
+        return f" ({hint})" if hint else ""
+    data_source = path.startswith(("spec.data.", "spec.eval.")) and path.endswith(".source")
+    if data_source and str(e.get("input", "")).lower().startswith("hf://"):
+        return DATASET_HINT
+    return ""
+
+
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     out = []
     for e in err.errors():
+        path = _loc_to_path(e["loc"])
         if e["type"] == "extra_forbidden":
             msg = "unknown field" + _did_you_mean(tuple(e["loc"]))
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-        out.append(FieldError(_loc_to_path(e["loc"]), msg))
+            msg = e["msg"].removeprefix("Value error, ") + _hint(path, e)
+        out.append(FieldError(path, msg))
     return out
 
 
