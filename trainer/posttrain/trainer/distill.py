@@ -77,7 +77,10 @@ def distill_loss(
 
 def _logits(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     logits, _ = models.compute_view(model)(
-        batch["input_ids"], batch["positions"], None, sft.attention_mask(batch["segment_ids"])
+        batch["input_ids"],
+        batch["positions"],
+        None,
+        models.attention_input(model, batch["segment_ids"], sft.attention_mask),
     )
     return logits[:, :-1]
 
@@ -129,6 +132,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
         mesh=mesh,
         dtype=DTYPES[teacher_spec.dtype],
         remat=spec.training.remat,
+        attention=spec.training.attention,
     )
     if info.vocab_size != student.vocab_size:
         raise ValueError(

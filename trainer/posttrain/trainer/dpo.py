@@ -90,7 +90,9 @@ def completion_logps(
     length = ids.shape[1]
     causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
     eye = jnp.eye(length, dtype=jnp.bool_)[None]
-    attention = (causal[None] & mask[:, None, :]) | eye
+    attention = models.attention_input(
+        model, mask, lambda _: (causal[None] & mask[:, None, :]) | eye
+    )
     logits, _ = models.compute_view(model)(ids, positions, None, attention)
     prompt_len = prompt_ids.shape[1]
     logits = logits[:, prompt_len - 1 : -1].astype(jnp.float32)

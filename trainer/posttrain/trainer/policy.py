@@ -75,6 +75,7 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
         compute_dtype=compute,
         vision=spec.data.columns.images is not None,
         remat=spec.training.remat,
+        attention=spec.training.attention,
     )
     wrt: Any = nnx.Param
     if info.vision:  # the vision tower frozen unless spec.training.trainVisionTower
@@ -111,5 +112,6 @@ def load_reference(spec: Any, policy: Policy, mesh: jax.sharding.Mesh) -> nnx.Mo
         mesh=mesh,
         dtype=DTYPES[spec.model.dtype],
         remat=spec.training.remat,
+        attention=spec.training.attention,
     )
     return model

@@ -42,7 +42,7 @@ def token_nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array
     """Summed NLL over target tokens, and the number of target tokens (the forward in the
     model's compute dtype, the loss in float32)."""
     ids = batch["input_ids"]
-    mask, extra = attention_mask(batch["segment_ids"]), {}
+    mask, extra = models.attention_input(model, batch["segment_ids"], attention_mask), {}
     if "images" in batch:  # Gemma 3 vision: the images' soft tokens see each other
         from posttrain.trainer.models import vision
 

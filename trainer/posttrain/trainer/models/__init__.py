@@ -11,6 +11,7 @@ Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` rea
 - ``safetensors_io``: reading safetensors a slice at a time, writing them a tensor at a time;
 - ``loading``: a checkpoint into a sharded model, each host reading only its shards;
 - ``generation``: the forward pass and greedy generation;
+- ``attention``: flash attention kernels (splash on TPU, cuDNN on GPU) for training;
 - ``saving``: a model (LoRA merged in) back to a HF checkpoint.
 
 Imports point one way: ``posttrain.trainer.lora`` stands on this package, and
@@ -24,6 +25,7 @@ Nothing here imports Kubernetes code.
 from __future__ import annotations
 
 from posttrain.trainer.mesh import make_mesh
+from posttrain.trainer.models.attention import attention_input
 from posttrain.trainer.models.config import (
     ModelInfo,
     build_config,
@@ -54,6 +56,7 @@ __all__ = [
     "ModelInfo",
     "ParamMap",
     "abstract_model",
+    "attention_input",
     "build_config",
     "causal_mask",
     "compute_view",

@@ -22,6 +22,7 @@ from flax import nnx
 from tunix.models.gemma3 import model as gemma3_lib
 
 from posttrain.trainer.mesh import make_mesh
+from posttrain.trainer.models import attention as attention_lib
 from posttrain.trainer.models.config import ModelInfo, model_info
 from posttrain.trainer.models.families import model_class
 from posttrain.trainer.models.params import param_maps
@@ -74,8 +75,11 @@ def _np_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jnp.dtype(dtype))
 
 
-def abstract_model(info: ModelInfo, extras: dict, mesh=None) -> nnx.Module:
-    """The Tunix model with abstract (shape-only) params."""
+def abstract_model(
+    info: ModelInfo, extras: dict, mesh=None, attention: str = "dense"
+) -> nnx.Module:
+    """The Tunix model with abstract (shape-only) params; ``attention`` is
+    spec.training.attention or a kernel of ``models.attention`` (installed)."""
     cls = model_class(info.family)
     # Llama 3 and Qwen3: their attention layers take config.json's RoPE (models.rope).
     rope = {"rope_inv_freq": extras["rope_inv_freq"]} if "rope_inv_freq" in extras else {}
@@ -89,6 +93,9 @@ def abstract_model(info: ModelInfo, extras: dict, mesh=None) -> nnx.Module:
     else:
         model = nnx.eval_shape(build)
     _configure(model, info, extras)
+    kernel = attention_lib.kernel_for(attention, info)
+    if kernel != "dense":
+        attention_lib.install(model, kernel)
     return model
 
 
@@ -104,6 +111,7 @@ def load_model(
     layers_field: str = "spec.model.layers",
     vision: bool = False,
     remat: str = "auto",
+    attention: str = "dense",
 ) -> tuple[nnx.Module, ModelInfo]:
     """Loads a HF safetensors checkpoint into the family's Tunix nnx model, params in
     ``dtype``, forward passes (``compute_view``) in ``compute_dtype`` (default ``dtype``).
@@ -114,7 +122,8 @@ def load_model(
     ``weights`` is where those files are when not in ``model_dir`` (a gs:// prefix: the
     blocks are then fetched with ranged reads, and ``model_dir`` holds the small files).
     ``vision`` loads Gemma 3's vision tower and projector too (``posttrain.trainer.models.vision``).
-    ``remat`` is spec.training.remat (``model_info``).
+    ``remat`` is spec.training.remat (``model_info``); ``attention`` spec.training.attention
+    (``models.attention``: the kernel the attention layers run with segment ids).
     """
     info, extras = model_info(
         model_dir,
@@ -134,7 +143,7 @@ def load_model(
             from posttrain.trainer.models import vision as vision_lib
 
             info.vision = vision_lib.with_prefixes(info.vision, reader.keys())
-        model = abstract_model(info, extras, mesh)
+        model = abstract_model(info, extras, mesh, attention)
         graphdef, abs_state = nnx.split(model)
         flat = dict(nnx.to_flat_state(abs_state))
         maps = {m.path: m for m in param_maps(info)}
