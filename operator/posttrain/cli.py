@@ -223,8 +223,17 @@ def _estimate_host(path: str, job: PostTrainJob) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
+    from posttrain.api.kube_values import namespace_error
+    from posttrain.api.locations import image_error
     from posttrain.render import RenderConfig, render
 
+    flags = {"--namespace": (args.namespace, namespace_error),
+             "--trainer-image": (args.trainer_image, image_error)}  # fmt: skip
+    bad = [f"{flag}: {why}" for flag, (v, check) in flags.items() if v and (why := check(v))]
+    for line in bad:  # as the API server and the kubelet would refuse them
+        print(f"posttrain render: {printable(line)}", file=sys.stderr)
+    if bad:
+        return 2
     job = _load(args.file)
     if job is None:
         return 1

@@ -359,3 +359,31 @@ def test_export_refuses_a_bucket_it_may_not_write(tmp_path):
         )
         r = posttrain("export", str(job), "--output", "gs://ro/run", "--step", "2", env=env)
         assert r.returncode == 65 and "no checkpoint 2 under gs://ro/run/checkpoints" in r.stderr
+
+
+def test_render_refuses_a_namespace_and_an_image_the_cluster_would(tmp_path, capsys):
+    from posttrain import cli
+
+    job = job_file(tmp_path)
+    code = cli.main(["render", str(job), "-n", "evil ns", "--trainer-image", "x; rm -rf /"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err.splitlines() == [
+        "posttrain render: --namespace: 'evil ns' is not a namespace name: at most 63 "
+        "lowercase letters, digits and '-', starting and ending with a letter or digit",
+        "posttrain render: --trainer-image: contains a space; an image reference holds no "
+        "control or whitespace characters",
+    ]
+    assert cli.main(["render", str(job), "-n", "team-a", "--trainer-image", "r.io/t:1"]) == 0
+    assert "namespace: team-a" in capsys.readouterr().out
+
+
+def test_validate_refuses_a_namespace_the_api_server_would(tmp_path):
+    doc = yaml.safe_load(job_file(tmp_path).read_text())
+    doc["metadata"]["namespace"] = "Team_A"
+    path = tmp_path / "ns.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    r = posttrain("validate", str(path))
+    assert r.returncode == 1
+    assert r.stderr == f"{path}: metadata.namespace: 'Team_A' is not a namespace name: " \
+        "at most 63 lowercase letters, digits and '-', starting and ending with a letter or digit\n"  # fmt: skip

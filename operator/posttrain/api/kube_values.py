@@ -84,3 +84,63 @@ def priority_class_error(text: str) -> str | None:
             "system-cluster-critical); training pods must not preempt them"
         )
     return None
+
+
+# metadata, as the API server checks it (apimachinery's validation of ObjectMeta).
+NAMESPACE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # an RFC 1123 label, at most 63
+QUALIFIED_NAME = r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"  # a label or annotation key's name
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # all keys and values together
+
+
+def namespace_error(text: str) -> str | None:
+    """Why `text` is not a namespace name, or None."""
+    if len(text) > 63 or not matches(NAMESPACE, text):
+        return (
+            f"{text!r} is not a namespace name: at most 63 lowercase letters, digits and "
+            "'-', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def key_error(key: str) -> str | None:
+    """Why `key` is not a label or annotation key ([prefix/]name), or None."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not matches(DNS_SUBDOMAIN, prefix)):
+        return f"key {key!r}: its prefix must be a DNS subdomain (example.com/), at most 253"
+    if len(name) > 63 or not matches(QUALIFIED_NAME, name):
+        return (
+            f"key {key!r}: its name must be at most 63 letters, digits, '-', '_' and '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def label_value_error(value: str) -> str | None:
+    if value and (len(value) > LABEL_VALUE_MAX or not matches(QUALIFIED_NAME, value)):
+        return (
+            f"value {value!r} must be empty or at most 63 letters, digits, '-', '_' and "
+            "'.', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def metadata_errors(meta: dict) -> list[tuple[str, str]]:
+    """(field, why) for what the API server would refuse in metadata's namespace,
+    labels and annotations (the name is checked by the caller, with its own reason)."""
+    out = []
+    namespace = meta.get("namespace")
+    if isinstance(namespace, str) and (why := namespace_error(namespace)):
+        out.append(("metadata.namespace", why))
+    for section in ("labels", "annotations"):
+        for key, value in (meta.get(section) or {}).items():
+            if why := key_error(key):
+                out.append((f"metadata.{section}", why))
+            elif section == "labels" and (why := label_value_error(value)):
+                out.append(("metadata.labels", why))
+    annotations = meta.get("annotations") or {}
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())
+    if size > ANNOTATIONS_MAX_BYTES:
+        out.append(
+            ("metadata.annotations", f"{size} bytes in all; the API server takes at most 256 KiB")
+        )
+    return out

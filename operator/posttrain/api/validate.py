@@ -247,14 +247,21 @@ def _pruned(value: Any) -> Any:
 
 def spec_errors(job: PostTrainJob) -> list[FieldError]:
     """The checks beyond the schema that need nothing but the API: cross-field rules,
-    a local model's config.json, columns, LoRA, images, the volume's mount path and the
-    name as a DNS label."""
+    a local model's config.json, columns, LoRA, images, the volume's mount path, the
+    name as a DNS label and the rest of metadata as the API server checks it."""
     spec = job.spec
     errors = [FieldError(field, message) for field, message in rules.errors(spec)]
     errors += _model_config_errors(job)
     errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
         errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
+    meta = job.metadata
+    errors += [
+        FieldError(field, message)
+        for field, message in kube_values.metadata_errors(
+            {"namespace": meta.namespace, "labels": meta.labels, "annotations": meta.annotations}
+        )
+    ]
     name = job.metadata.name
     if not kube_values.matches(kube_values.DNS_LABEL, name) or len(name) > 63:
         errors.append(
