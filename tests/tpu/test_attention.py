@@ -4,15 +4,22 @@ checkpoint over packed rows, float32 logits and a bf16 loss at 8k tokens."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_fixtures import FIXTURES
 
 from posttrain.trainer import models, sft
 from posttrain.trainer.models import attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+from hf_fixtures import FIXTURES  # noqa: E402
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
 
 
 def packed_batch(vocab: int, rows, length: int, seed: int = 0) -> dict:
