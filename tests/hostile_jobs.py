@@ -55,6 +55,13 @@ def grpo(*rewards: dict[str, Any], **settings: Any) -> Mutation:
     )
 
 
+FUNCTION = "spec.grpo.rewards[0].function"
+
+
+def python_reward(function: str) -> Mutation:
+    return grpo({"type": "python", "function": function})
+
+
 def regex_reward(pattern: str) -> Mutation:
     return grpo({"type": "regexFormat", "pattern": pattern})
 
@@ -645,6 +652,27 @@ CASES: list[Hostile] = [
         "spec.grpo.rewards[0].function",
         grpo({"type": "python", "function": "m:f\n"}),
     ),  # fmt: skip
+    # -- reward functions that would run the model's output -----------------------------
+    *(
+        H(f"reward-function-{f.replace(':', '-').replace('.', '-')}", FUNCTION, python_reward(f))
+        for f in (
+            "builtins:exec",
+            "builtins:eval",
+            "subprocess:run",
+            "os:system",
+            "importlib:import_module",
+            "shutil:rmtree",
+            "sys:exit",
+            "posix:system",
+            "os.path:join",
+            "runpy:run_path",
+            "pickle:loads",
+            "ctypes:CDLL",
+        )
+    ),  # fmt: skip
+    H("reward-function-own-module", None, python_reward("acme_rewards.math:score")),
+    # Python's \w takes ä, the CRD's RE2 does not: both refuse it now.
+    H("reward-function-non-ascii", FUNCTION, python_reward("rewärd:score")),
     # -- YAML that kubectl and validate must read alike ----------------------------------
     H(
         "yaml-merge-key-later-wins",

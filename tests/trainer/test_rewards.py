@@ -131,3 +131,20 @@ def test_build_rewards_sums_weighted():
         fns, PROMPTS[:3], ["Answer: 5", "Answer: 4", "5"], answer=["5", "5", "5"]
     )
     assert totals == [1.5, 0.5, 1.0]
+
+
+def test_a_reward_function_re_exported_from_python_s_own_modules_is_refused(tmp_path, monkeypatch):
+    """`function: mymod:run` where mymod only does `from subprocess import run`: the
+    callable is subprocess.run, refused as `subprocess:run` itself is."""
+    from posttrain.trainer.rewards import import_function
+
+    (tmp_path / "sneaky_rewards.py").write_text(
+        "from subprocess import run\n\ndef score(prompts, completions, **kw):\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^spec\.f: 'sneaky_rewards:run' is subprocess\.run: "):
+        import_function("sneaky_rewards:run", "spec.f")
+    with pytest.raises(ValueError, match=r"^spec\.f: 'builtins:exec' is from Python's own"):
+        import_function("builtins:exec", "spec.f")
+    assert import_function("sneaky_rewards:score", "spec.f")([], ["a"]) == [0.0]

@@ -457,6 +457,17 @@ def test_values_reach_the_environment() -> None:
     assert env["POSTTRAIN_DEFAULT_QUEUE"] == "team-a"
     assert env["POSTTRAIN_LOG_LEVEL"] == "DEBUG"
     assert c["image"] == "ghcr.io/posttrain/operator:1.2.3"
+    assert env["POSTTRAIN_ALLOWED_FUNCTION_MODULES"] == ""  # any module but Python's own
+
+
+def test_allowed_reward_function_modules_reach_the_operator() -> None:
+    """The operator's webhook checks them and passes them to every trainer pod."""
+    docs = template({"rewardFunctions.allowedModules": "{acme.rewards,lab}"})
+    env = env_of(container(docs))
+    assert env["POSTTRAIN_ALLOWED_FUNCTION_MODULES"] == "acme.rewards,lab"
+    proc = helm("template", "x", str(CHART), "--set", "rewardFunctions.allowedModules={a b}",
+                check=False)  # fmt: skip
+    assert proc.returncode != 0 and "allowedModules" in proc.stderr
 
 
 def test_image_digest_wins() -> None:

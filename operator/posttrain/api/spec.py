@@ -359,7 +359,9 @@ class RewardSpec(KubeModel):
     """Completion length in tokens above which lengthPenalty applies."""
 
     function: str | None = Field(
-        default=None, max_length=NAME_MAX, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+        default=None,
+        max_length=NAME_MAX,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
     )
     """Import path module:callable of fn(prompts, completions, **columns) -> list[float]."""
 
@@ -609,7 +611,7 @@ class ResourcesSpec(KubeModel):
     type (nvidia-h100-80gb, nvidia-a100-80gb, nvidia-h200-141gb, nvidia-b200, nvidia-l4),
     or cpu."""
 
-    topology: str | None = Field(default=None, max_length=32, pattern=r"^\d+(x\d+){1,2}$")
+    topology: str | None = Field(default=None, max_length=32, pattern=r"^[0-9]+(x[0-9]+){1,2}$")
     """TPU topology (e.g. 4x8). Default: the shape GKE offers for the device's chip count
     (the most compact one where there are several)."""
 

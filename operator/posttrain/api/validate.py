@@ -21,7 +21,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.api import kube_values, lora_modules, model_shapes, rules
+from posttrain.api import functions, kube_values, lora_modules, model_shapes, rules
 from posttrain.api.documents import DocumentError, read_documents
 from posttrain.api.locations import mount_path_error
 from posttrain.api.spec import API_VERSION, KIND, PostTrainJob, PostTrainJobStatus
@@ -255,6 +255,11 @@ def spec_errors(job: PostTrainJob) -> list[FieldError]:
     errors += _columns_errors(job) + _lora_errors(job) + _images_errors(job)
     if spec.output.persistent_volume_claim and (problem := mount_path_error(spec.output.uri)):
         errors.append(FieldError("spec.output.uri", f"the volume's mount path {problem}"))
+    rewards = spec.grpo.rewards if spec.grpo else []
+    allowed = functions.allowed_modules()  # the installation's, where it set them
+    for i, reward in enumerate(rewards):
+        if reward.function and (why := functions.function_error(reward.function, allowed)):
+            errors.append(FieldError(f"spec.grpo.rewards[{i}].function", why))
     meta = job.metadata
     errors += [
         FieldError(field, message)

@@ -86,6 +86,7 @@ def _render_config() -> RenderConfig:
         "pathways_head_node_pool": "POSTTRAIN_PATHWAYS_HEAD_NODE_POOL",
         "default_queue": "POSTTRAIN_DEFAULT_QUEUE",
         "trainer_cluster_role": "POSTTRAIN_TRAINER_CLUSTER_ROLE",
+        "allowed_function_modules": "POSTTRAIN_ALLOWED_FUNCTION_MODULES",
     }
     return dataclasses.replace(
         defaults, **{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}

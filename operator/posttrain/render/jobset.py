@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.api import rollout_split
+from posttrain.api import functions, rollout_split
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.catalog import NODEPOOL_LABEL, Placement
 from posttrain.render import gpu, names, pathways, tpu
@@ -53,6 +53,9 @@ class RenderConfig:
     default_queue: str | None = None
     # The chart's ClusterRole each namespace's trainer ServiceAccount is bound to.
     trainer_cluster_role: str = "posttrain-trainer"
+    # Module prefixes reward functions may come from (comma-separated; empty: any but
+    # Python's own), given to every trainer pod: posttrain.api.functions.
+    allowed_function_modules: str = ""
 
     def trainer_image(self, kind: str) -> str:
         """The default trainer image of an accelerator kind: cpu, tpu or gpu."""
@@ -188,6 +191,11 @@ def _trainer_container(
         "env": [
             *_trainer_env(job, placement, pathways_head),
             {"name": "POSTTRAIN_IMAGE", "value": image},
+            *(
+                [{"name": functions.ALLOWED_ENV, "value": config.allowed_function_modules}]
+                if config.allowed_function_modules
+                else []
+            ),
         ],
         "ports": [{"name": "jax", "containerPort": names.JAX_COORDINATOR_PORT}],
         "volumeMounts": mounts,

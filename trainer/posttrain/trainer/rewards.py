@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from posttrain.api import functions
 from posttrain.api.patterns import compile_user_regex
 from posttrain.api.spec import GrpoSpec, RewardSpec
 
@@ -75,8 +76,14 @@ def _named(fn: RewardFn, name: str) -> RewardFn:
 
 
 def import_function(path: str, field: str) -> Callable[..., Any]:
-    """The callable at 'module:callable', or ValueError naming the spec field."""
+    """The callable at 'module:callable', or ValueError naming the spec field. Python's
+    own modules, and modules outside the installation's allowed prefixes, are refused
+    (posttrain.api.functions), also for a callable that is only re-exported by another
+    module (`from subprocess import run`)."""
     module_name, _, attr = path.partition(":")
+    allowed = functions.allowed_modules()
+    if why := functions.function_error(path, allowed):
+        raise ValueError(f"{field}: {why}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
@@ -87,6 +94,9 @@ def import_function(path: str, field: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{field}: module {module_name!r} has no callable {attr!r}")
+    defined_in = getattr(fn, "__module__", None) or module_name
+    if why := functions.function_error(f"{defined_in}:{attr}", allowed):
+        raise ValueError(f"{field}: {path!r} is {defined_in}.{attr}: {why}")
     return fn
 
 
