@@ -148,3 +148,18 @@ def test_a_reward_function_re_exported_from_python_s_own_modules_is_refused(tmp_
     with pytest.raises(ValueError, match=r"^spec\.f: 'builtins:exec' is from Python's own"):
         import_function("builtins:exec", "spec.f")
     assert import_function("sneaky_rewards:score", "spec.f")([], ["a"]) == [0.0]
+
+
+def test_a_slow_pattern_s_match_is_bounded(caplog):
+    """`.*a.*aX` passes the shape checks (two wide repeats) but is cubic in the text's
+    length: took 7.8 s on 2000 characters with re. Each match now stops at
+    MATCH_TIMEOUT_S and scores 0, said once."""
+    import time
+
+    r = fn({"type": "regexFormat", "pattern": ".*a.*aX"})
+    slow = "a" * 20_000
+    began = time.monotonic()
+    assert r(prompts=PROMPTS[:3], completions=[slow, slow, "a, aX"]) == [0.0, 0.0, 1.0]
+    assert time.monotonic() - began < 3 * rewards.MATCH_TIMEOUT_S + 1.0
+    said = [rec.getMessage() for rec in caplog.records if "took over" in rec.getMessage()]
+    assert len(said) == 1 and said[0].startswith("spec.grpo.rewards[0].pattern: a match took")

@@ -8,7 +8,7 @@ the weighted sum of all rewards.
 - exactAnswer: 1 when the last number in the completion equals the answer column
   (compared as numbers when both parse, else as stripped text), else 0.
 - regexFormat: 1 when ``re.search(pattern, completion)`` finds a match (``.`` matches
-  newlines), else 0.
+  newlines) within MATCH_TIMEOUT_S (the ``regex`` module, re's syntax), else 0.
 - lengthPenalty: ``-(tokens - targetLength) / targetLength`` when the completion has more
   than targetLength tokens, else 0 (tokens: the sampled completion's, EOS excluded).
 - python: ``module:callable`` imported from the trainer's Python path.
@@ -19,15 +19,19 @@ Nothing here imports JAX.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import regex
+
 from posttrain.api import functions
 from posttrain.api.patterns import compile_user_regex
 from posttrain.api.spec import GrpoSpec, RewardSpec
 
+log = logging.getLogger("posttrain.trainer")
 RewardFn = Callable[..., list[float]]
 
 # Arguments Tunix passes to reward functions that are not dataset columns.
@@ -58,8 +62,33 @@ def exact_answer(completions: Sequence[str], answers: Sequence[Any]) -> list[flo
     return out
 
 
-def regex_format(completions: Sequence[str], pattern: re.Pattern[str]) -> list[float]:
-    return [1.0 if pattern.search(text) else 0.0 for text in completions]
+# Each regexFormat match is bounded: a pattern that passed validate's shape checks may
+# still be polynomial in the completion's length (`.*a.*aX`), and a step must not wait on
+# one. A match that runs out of time scores 0, as no match (and is said once a run).
+MATCH_TIMEOUT_S = 0.1
+
+
+def regex_format(
+    completions: Sequence[str], pattern: regex.Pattern[str], field: str = "pattern"
+) -> list[float]:
+    out = []
+    for text in completions:
+        try:
+            found = pattern.search(text, timeout=MATCH_TIMEOUT_S)
+        except TimeoutError:
+            found = None
+            if field not in _timed_out:
+                _timed_out.add(field)
+                log.warning(
+                    "%s: a match took over %.1f s on a %d-character completion and scores 0; "
+                    "a simpler pattern (fewer .* or \\s* next to each other) matches in time",
+                    field, MATCH_TIMEOUT_S, len(text),
+                )  # fmt: skip
+        out.append(1.0 if found else 0.0)
+    return out
+
+
+_timed_out: set[str] = set()  # fields whose pattern ran out of time (said once)
 
 
 def length_penalty(lengths: Sequence[int], target: int) -> list[float]:
@@ -125,10 +154,11 @@ def build_reward(
     elif kind == "regexFormat":
         if not spec.pattern:
             raise ValueError(f"{field}.pattern: a regexFormat reward needs pattern")
-        pattern = compile_user_regex(spec.pattern, f"{field}.pattern", re.DOTALL)
+        compile_user_regex(spec.pattern, f"{field}.pattern")  # refused shapes, named
+        pattern = regex.compile(spec.pattern, regex.DOTALL | regex.VERSION0)  # re's syntax
 
         def reward(prompts, completions, **kwargs):
-            return [weight * r for r in regex_format(completions, pattern)]
+            return [weight * r for r in regex_format(completions, pattern, f"{field}.pattern")]
 
     elif kind == "lengthPenalty":
         if spec.target_length is None:
