@@ -54,7 +54,7 @@ def test_the_trainer_entry_points_apply_it(monkeypatch):
 
     def job(accelerator):
         return SimpleNamespace(
-            spec=SimpleNamespace(resources=SimpleNamespace(accelerator=accelerator))
+            spec=SimpleNamespace(resources=SimpleNamespace(accelerator=accelerator), grpo=None)
         )
 
     with pytest.raises(SystemExit):
@@ -64,6 +64,39 @@ def test_the_trainer_entry_points_apply_it(monkeypatch):
     with pytest.raises(SystemExit):  # an accelerator job's arrays are on its devices
         main._run(job("v6e-8"), show_bar=False)
     assert seen == {"flags": cpu_flags.MEMORY_SCHEDULER}
+
+
+def test_a_disaggregated_cpu_job_gets_the_devices_its_placement_asks_for():
+    """A CPU GRPO job with a disaggregated sampler needs several host devices; the user
+    no longer sets XLA_FLAGS=--xla_force_host_platform_device_count=N for it."""
+    from invalid_jobs import valid_job
+
+    from posttrain.checks import validate
+
+    def spec(fraction=None, accelerator="cpu"):
+        doc = valid_job()
+        doc["spec"]["technique"] = "grpo"
+        doc["spec"]["resources"] = {"accelerator": accelerator}
+        doc["spec"]["grpo"] = {"rewards": [{"type": "exactAnswer"}]}
+        if fraction is not None:
+            rollout = {"placement": "disaggregated", "samplerFraction": fraction}
+            doc["spec"]["grpo"]["rollout"] = rollout
+        job, errors = validate(doc)
+        assert not errors, errors
+        return job.spec
+
+    assert cpu_flags.host_devices(spec(0.5)) == 2
+    assert cpu_flags.host_devices(spec(0.25)) == 4
+    assert cpu_flags.host_devices(spec(0.75)) == 4
+    assert cpu_flags.host_devices(spec()) is None  # colocated: one device
+    env = {"XLA_FLAGS": cpu_flags.MEMORY_SCHEDULER}
+    assert cpu_flags.apply_devices(spec(0.5), env) == 2
+    assert env["XLA_FLAGS"].split() == [
+        cpu_flags.MEMORY_SCHEDULER, "--xla_force_host_platform_device_count=2"
+    ]  # fmt: skip
+    mine = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert cpu_flags.apply_devices(spec(0.5), mine) is None  # the user's count wins
+    assert mine == {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
 _RETAINED = """

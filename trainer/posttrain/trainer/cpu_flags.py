@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
+from typing import Any
+
+from posttrain.api import rollout_split
 
 SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 MEMORY_SCHEDULER = f"--{SCHEDULER_FLAG}=false"
@@ -25,3 +28,31 @@ def apply(environ: MutableMapping[str, str] = os.environ) -> str:
         flags = f"{flags} {MEMORY_SCHEDULER}".strip()
         environ["XLA_FLAGS"] = flags
     return flags
+
+
+DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
+MAX_HOST_DEVICES = 64
+
+
+def host_devices(spec: Any) -> int | None:
+    """The CPU devices a CPU job's placement asks for: a disaggregated GRPO sampler needs
+    the fewest devices its spec.grpo.rollout splits into whole trainer and sampler shares
+    (samplerFraction 0.5: 2); None when one device does (XLA's default)."""
+    if spec.resources.accelerator != "cpu" or not rollout_split.is_disaggregated(spec):
+        return None
+    for devices in range(2, MAX_HOST_DEVICES + 1):
+        found, problem = rollout_split.split(spec, devices)
+        if found is not None and problem is None:
+            return devices
+    return None
+
+
+def apply_devices(spec: Any, environ: MutableMapping[str, str] = os.environ) -> int | None:
+    """Give a CPU job the host devices its placement asks for (XLA_FLAGS, before JAX
+    starts its CPU backend), unless XLA_FLAGS already set a count; returns the count."""
+    devices = host_devices(spec)
+    flags = environ.get("XLA_FLAGS", "")
+    if devices is None or DEVICE_COUNT_FLAG in flags:
+        return None
+    environ["XLA_FLAGS"] = f"{flags} --{DEVICE_COUNT_FLAG}={devices}".strip()
+    return devices

@@ -43,6 +43,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     from posttrain.trainer import compile_cache, cpu_flags, host_malloc
 
     cpu_flags.apply()  # before JAX starts its CPU backend
+    if devices := cpu_flags.apply_devices(job.spec):  # a disaggregated sampler's share
+        log.info("%d CPU devices for spec.grpo.rollout's placement", devices)
     if not in_pod:  # shared with `posttrain generate` and `export` on this machine
         compile_cache.enable()
     if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
