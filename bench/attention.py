@@ -16,12 +16,14 @@ peak is per process):
 - the first step's loss (before any update).
 
 It prints each model's flash/dense ratios (time, peak) and |loss difference| (relative).
-``--layers`` (default 4) keeps the first decoder layers, and ``--vocab`` (default 32768)
-cuts the vocabulary: the per-layer attention is what is compared, and at 8k tokens
-a 152k-262k vocabulary's float32 logits (5-8 GiB) would crowd out the rest; ``--layers 0
---vocab 0`` keeps the published numbers. A step that does not fit is reported as such.
+``--layers`` keeps the first decoder layers (default 2; Gemma 6: five local layers and
+a global one) and ``--vocab`` (default 8192) cuts the vocabulary: the attention is what is
+compared, and at 8k tokens a 152k-262k vocabulary's float32 logits and their gradient
+(5-8 GiB each) would set the peak whatever the attention; ``--layers -1 --vocab 0`` keeps
+the published numbers. A step that does not fit is reported as such.
 
     python bench/attention.py                 # on a TPU: about 3 minutes on one v5e
+    python bench/attention.py --cpu --seq 256 --models qwen3-0.6b --vocab 512  # a check
     python bench/attention.py --models gemma-3-1b --seq 8192 --batch 1
 
 With no TPU it compiles the same steps for a v5e chip with libtpu's compile-only client
@@ -50,7 +52,10 @@ def config_json(name: str, layers: int, vocab: int) -> dict:
     from posttrain.api import model_shapes
 
     s = model_shapes.SHAPES[name]
-    layers = layers or s.layers
+    if layers >= 0:
+        layers = layers or (6 if name.startswith("gemma") else 2)
+    else:
+        layers = s.layers
     common = {
         "hidden_size": s.hidden,
         "num_hidden_layers": layers,
@@ -134,7 +139,8 @@ def run(case: dict) -> dict:
     from posttrain.trainer import lora, models, sft
     from posttrain.trainer.mesh import BATCH_AXES
 
-    compile_only = case["compile_only"] or jax.default_backend() != "tpu"
+    on_cpu = case.get("cpu", False)  # --cpu: the whole run on CPU (splash interpreted)
+    compile_only = not on_cpu and (case["compile_only"] or jax.default_backend() != "tpu")
     mesh = compile_only_mesh() if compile_only else _mesh(jax.devices()[:1])
     where = "compile-only v5e (no TPU: the compiler's figures only)"
     out: dict = {"model": case["model"], "kernel": case["kernel"],
@@ -144,7 +150,8 @@ def run(case: dict) -> dict:
         config = config_json(case["model"], case["layers"], case["vocab"])
         (model_dir / "config.json").write_text(json.dumps(config))
         info, extras = models.model_info(model_dir, dtype=jnp.bfloat16, remat="layer")
-        model = models.abstract_model(info, extras, mesh, case["kernel"])
+        kernel = "splash_interpret" if on_cpu and case["kernel"] == "splash" else case["kernel"]
+        model = models.abstract_model(info, extras, mesh, kernel)
         state = nnx.state(model)
         specs = nnx.get_partition_spec(state)
         is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
@@ -267,11 +274,21 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--layers", type=int, default=4, help="0: the published depth")
-    parser.add_argument("--vocab", type=int, default=32768, help="0: the published vocabulary")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decoder layers (default: 2, Gemma 6); -1: the published depth",
+    )
+    parser.add_argument("--vocab", type=int, default=8192, help="0: the published vocabulary")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile-only", action="store_true",
                         help="compile for a v5e chip with libtpu even where a TPU is")  # fmt: skip
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run everything on CPU, splash interpreted (checks this script)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -281,7 +298,8 @@ def main() -> int:
         print("RESULT " + json.dumps(run(json.loads(args.child))), flush=True)
         return 0
     print(f"attention at {args.seq} tokens x {args.batch} rows, LoRA r16, bf16, layer remat, "
-          f"{args.layers or 'all'} layers, vocab {args.vocab or 'published'}",
+          f"{args.layers if args.layers > 0 else 'all' if args.layers < 0 else '2 (Gemma 6)'} "
+          f"layers, vocab {args.vocab or 'published'}",
           flush=True)  # fmt: skip
     started, device = time.monotonic(), None
     for model in args.models:
@@ -289,7 +307,7 @@ def main() -> int:
         for kernel in KERNELS:
             case = {"model": model, "kernel": kernel, "seq": args.seq, "batch": args.batch,
                     "layers": args.layers, "vocab": args.vocab, "steps": args.steps,
-                    "compile_only": args.compile_only}  # fmt: skip
+                    "compile_only": args.compile_only, "cpu": args.cpu}  # fmt: skip
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(case)],
                 capture_output=True, text=True, cwd=ROOT,
