@@ -155,9 +155,22 @@ def child(doc: dict, out: Path) -> None:
     from posttrain.trainer import step_memory
 
     spec = PostTrainJobSpec.model_validate(doc)
-    lay = capacity.layout(spec, catalog.resolve(spec.resources.accelerator))
+    placement = catalog.resolve(spec.resources.accelerator)
+    lay = capacity.layout(spec, placement)
     started = time.monotonic()
-    memory = step_memory.compiled_memory(spec, step_memory.mesh_of(lay.slices, lay.per_slice))
+    if os.environ.get("POSTTRAIN_BENCH_TPU"):  # --tpu: the TPU compiler, compile-only
+        from posttrain.trainer import tpu_compile
+
+        devices = tpu_compile.tpu_devices(placement, spec.resources.slices)
+        program = tpu_compile.compile_program("train step", spec,
+                                              tpu_compile.trainer_mesh(devices, lay))  # fmt: skip
+        if program.memory is None:  # over HBM: the compiler's figure for its temporaries
+            memory = {"argument": 0, "output": 0, "alias": 0, "temp": program.required or 0,
+                      "over": program.error}  # fmt: skip
+        else:
+            memory = program.memory
+    else:
+        memory = step_memory.compiled_memory(spec, step_memory.mesh_of(lay.slices, lay.per_slice))
     out.write_text(json.dumps({**memory, "seconds": time.monotonic() - started}))
 
 
@@ -175,6 +188,8 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
     # the case as a key, its models by name (not by this run's temporary directory)
     key = json.dumps(spec_doc(name, Path()), sort_keys=True)
+    if os.environ.get("POSTTRAIN_BENCH_TPU"):
+        key = "tpu " + key
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "xla.json"
         if key in saved:  # --saved: XLA's figures of an earlier run of the same case
@@ -216,6 +231,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--tpu", action="store_true", help="compile with the TPU compiler for "
+                        "each case's topology (compile-only, libtpu: the tpu-compile extra) "
+                        "instead of XLA:CPU on simulated devices")  # fmt: skip
     parser.add_argument("--saved", type=Path, help="a JSON file of XLA's figures, read and "
                         "updated: a case compiled before (same spec) is not compiled again, so "
                         "a changed estimate is compared at once")  # fmt: skip
@@ -223,6 +241,8 @@ def main() -> int:
     if args.list:
         print("\n".join(CASES))
         return 0
+    if args.tpu:
+        os.environ["POSTTRAIN_BENCH_TPU"] = "1"  # the children compile for the TPU
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         models_dir = Path(tmp)
