@@ -61,7 +61,8 @@ def test_every_model_a_job_loads_has_the_specs_remat(model_dir, tmp_path, remat,
 
 
 @pytest.mark.parametrize(
-    "remat,config", [("layer", "DECODER"), ("block", "BLOCK"), ("none", "NONE")]
+    "remat,config",
+    [("layer", "DECODER"), ("block", "BLOCK"), ("none", "NONE"), ("dots", "DECODER")],
 )
 def test_the_step_recomputes_what_remat_says(model_dir, remat, config):
     """The Tunix config says it, and the gradient's program holds that many remat calls."""
@@ -76,7 +77,7 @@ def test_the_step_recomputes_what_remat_says(model_dir, remat, config):
         return logits.astype(np.float32).mean()
 
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state, ids))
-    per_layer = {"layer": 1, "block": 2, "none": 0}[remat]
+    per_layer = {"layer": 1, "block": 2, "none": 0, "dots": 1}[remat]
     assert jaxpr.count("remat") + jaxpr.count("checkpoint[") >= per_layer * info.num_layers
     if remat == "none":
         assert "remat" not in jaxpr and "checkpoint[" not in jaxpr
@@ -94,9 +95,9 @@ def test_every_family_rematerialises_to_the_same_gradient(family):
     """A layer recomputed in backward gives the gradient of keeping it, in each family."""
     ids = np.load(FIXTURES / family / "golden.npz")["input_ids"]
     grads = {}
-    for remat in ("none", "layer"):
+    for remat in ("none", "layer", "dots"):
         model, info = models.load_model(FIXTURES / family, dtype=np.float32, remat=remat)
-        assert info.config.remat_config.name == ("DECODER" if remat == "layer" else "NONE")
+        assert info.config.remat_config.name == ("NONE" if remat == "none" else "DECODER")
         graphdef, state = nnx.split(model)
 
         def loss(state, graphdef=graphdef):
@@ -104,8 +105,34 @@ def test_every_family_rematerialises_to_the_same_gradient(family):
             return (logits * logits).mean()
 
         grads[remat] = jax.tree.leaves(jax.grad(loss)(state))
-    for a, b in zip(grads["none"], grads["layer"], strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    for remat in ("layer", "dots"):
+        for a, b in zip(grads["none"], grads[remat], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_dots_keeps_the_matmuls_that_layer_recomputes(model_dir):
+    """remat dots: the gradient's program recomputes none of the projections (only the
+    attention scores, a batched matmul), layer all of them; and a view without remat (the
+    sampler's) runs Tunix's own call."""
+    flops = {}
+    ids = np.zeros((2, 16), np.int32)  # short: the projections outweigh the scores
+    for remat in ("none", "layer", "dots"):
+        model, _ = models.load_model(model_dir, dtype=np.float32, remat=remat)
+        graphdef, state = nnx.split(model)
+
+        def loss(state, graphdef=graphdef):
+            return models.forward(nnx.merge(graphdef, state), ids).mean()
+
+        compiled = jax.jit(jax.grad(loss)).lower(state).compile()
+        flops[remat] = compiled.cost_analysis()["flops"]
+    recomputed = {k: flops[k] - flops["none"] for k in ("layer", "dots")}
+    assert recomputed["layer"] > 0.15 * flops["none"], flops
+    assert recomputed["dots"] < 0.3 * recomputed["layer"], flops  # the scores' share
+    model, _ = models.load_model(model_dir, dtype=np.float32, remat="dots")
+    assert type(model.layers[0]).posttrain_remat_policy == "dots"
+    graphdef, state = nnx.split(models.without_remat(model))
+    jaxpr = jax.make_jaxpr(lambda state: models.forward(nnx.merge(graphdef, state), ids))(state)
+    assert "remat" not in str(jaxpr) and "checkpoint[" not in str(jaxpr)
 
 
 def completion_length(prompts, completions, **unused):

@@ -266,6 +266,7 @@ class Remat(StrEnum):
     none = "none"
     block = "block"
     layer = "layer"
+    dots = "dots"
 
 
 class Attention(StrEnum):
@@ -293,8 +294,11 @@ class TrainingSpec(KubeModel):
     rather than keeps. layer: keep only each decoder layer's input and recompute the
     layer during backward (about a third more compute, a fraction of the memory); block:
     recompute the attention and the MLP of each layer separately (keeps a little more);
-    none: keep every layer's activations (fastest, most memory). auto: layer on TPUs and
-    GPUs, none on CPU."""
+    none: keep every layer's activations (fastest, most memory); dots: layer, but keep
+    the outputs of the layer's projections (its matmuls without a batch dimension), so
+    backward recomputes only element-wise work and the attention scores: about as fast as
+    none, with memory between layer and none. auto: layer on TPUs and GPUs, none on
+    CPU."""
 
     attention: Attention = Attention.auto
     """How attention is computed in training forward passes. flash: a fused kernel that

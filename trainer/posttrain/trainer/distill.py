@@ -116,7 +116,7 @@ def make_train_step(wrt: Any, temperature: float, alpha: float, accumulation: in
             "tokens": jnp.sum(batch["segment_ids"] != 0),
         }
 
-    return nnx.jit(step, donate_argnames=("optimizer",))
+    return optim.jit_step(step)
 
 
 def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, scratch: Path):

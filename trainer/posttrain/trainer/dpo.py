@@ -191,7 +191,7 @@ def make_train_step(wrt: Any, settings: DpoSpec, accumulation: int, reference: s
             "tokens": tokens,
         }
 
-    return nnx.jit(step, donate_argnames=("optimizer",))
+    return optim.jit_step(step)
 
 
 # ------------------------------------------------------------------------------- run

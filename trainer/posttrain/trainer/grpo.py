@@ -183,7 +183,7 @@ def make_train_step(
         }
         return out
 
-    return nnx.jit(step, donate_argnames=("optimizer",))
+    return optim.jit_step(step)
 
 
 class GrpoRun:

@@ -16,6 +16,7 @@ there, is finished: running it again trains and writes nothing (see `finished_ru
 
 from __future__ import annotations
 
+import collections
 import datetime
 import importlib
 import json
@@ -61,6 +62,9 @@ from posttrain.trainer.signals import StopFlag
 
 log = logging.getLogger("posttrain.trainer")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+# Steps dispatched ahead of the device at most: enough to keep it busy while the host
+# prepares the next batch, few enough that queued batches never take real memory.
+IN_FLIGHT = 2
 
 
 @dataclass
@@ -123,7 +127,6 @@ def train(
         return technique(run)
     finally:  # a gs:// model's copy, a remote output's local side: nothing left in /tmp
         shutil.rmtree(run.scratch, ignore_errors=True)
-
 
 
 def train_sft(run: RunSetup) -> Result:
@@ -219,6 +222,14 @@ def setup_run(
     try:  # a signal ends the process from the watcher thread; stop.check() is the fallback
         # GRPO with a disaggregated sampler trains on its share of the devices only.
         mesh = models.make_mesh(devices=rl_placement.split_devices(spec)[0])
+        device = mesh.devices.flat[0]
+        log.info(
+            "training on %s: %d x %s, mesh %s",
+            device.platform,
+            mesh.devices.size,
+            device.device_kind,
+            " x ".join(f"{name} {size}" for name, size in mesh.shape.items()),
+        )
         check_row_count(spec, process)  # too few rows: said before the model loads
         log.info("loading the model from %s", spec.model.source)
         policy = load_policy(spec, mesh, scratch)
@@ -312,7 +323,10 @@ def run_steps(
         evaluation.resume(spec.output.uri, result.step)
         best = best_checkpoint(spec)
     metrics: dict[str, float] = {}
-    window_start, window_tokens = time.monotonic(), 0
+    # Steps are dispatched without waiting for the device: their outputs are read back on
+    # log steps only (tokens summed then), and the host runs at most IN_FLIGHT steps ahead.
+    window_start, window_tokens = time.monotonic(), []
+    in_flight: collections.deque = collections.deque()
     recorded = time.monotonic()
     clock.charge("startup")
     with jax.set_mesh(mesh):
@@ -333,7 +347,10 @@ def run_steps(
                 # The first step is compiled and dispatched: from here a signal checkpoints
                 # after the step (before, during the compile, it stops saving nothing).
                 stop.training()
-            window_tokens += int(out.pop("tokens", 0))
+            window_tokens.append(out.pop("tokens", 0))
+            in_flight.append(loss)
+            if len(in_flight) > IN_FLIGHT:
+                jax.block_until_ready(in_flight.popleft())
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
             if log_now:
                 elapsed = max(time.monotonic() - window_start, 1e-9)
@@ -341,11 +358,11 @@ def run_steps(
                     "loss": float(loss),
                     "learning_rate": float(schedule(result.step - 1)),
                     **{k: float(v) for k, v in out.items()},
-                    "tokens_per_second": window_tokens / elapsed,
+                    "tokens_per_second": sum(int(t) for t in window_tokens) / elapsed,
                     **{f"data/{k}": v for k, v in loader.metrics().items()},
                 }
                 result.losses[result.step] = metrics["loss"]
-                window_start, window_tokens = time.monotonic(), 0
+                window_start, window_tokens = time.monotonic(), []
             eval_now = evaluation is not None and evaluation.due(result.step, total)
             save_now = (
                 result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop

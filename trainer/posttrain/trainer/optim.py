@@ -90,6 +90,16 @@ def accumulate(
     return total, aux_sum, grads
 
 
+def jit_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`step(model, optimizer, ...)` jit-compiled with both donated: the step writes the
+    new weights and optimizer state into the buffers of the old ones (XLA aliases each
+    output to its donated input), so no second copy of either is ever live. What is not
+    trained (a LoRA run's base weights) passes through the step unchanged, in place.
+    Whatever else holds the model's Variables (a colocated sampler) reads the new arrays:
+    nnx.jit updates the Variables themselves."""
+    return nnx.jit(step, donate_argnames=("model", "optimizer"))
+
+
 def micro_batches(batch: dict[str, jax.Array], accumulation: int) -> dict[str, jax.Array]:
     """`batch` as [accumulation, rows / accumulation, ...] arrays: micro-batch i takes rows
     i, i + accumulation, i + 2 x accumulation, ... A global batch is split over the devices

@@ -74,7 +74,7 @@ def make_train_step(wrt: Any, accumulation: int):
         seen = jnp.sum(batch["segment_ids"] != 0)
         return total * scale, optax.tree.norm(grads), count, seen
 
-    return nnx.jit(step, donate_argnames=("optimizer",))
+    return optim.jit_step(step)
 
 
 def eval_loss(model: nnx.Module, batch: dict[str, Any]) -> float:

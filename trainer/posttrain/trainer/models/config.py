@@ -48,12 +48,14 @@ class ModelInfo:
     layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     compute_dtype: Any = None  # of the forward pass (see compute_view)
+    remat: str = "none"  # spec.training.remat as resolved (resolve_remat)
     vision: Any = None  # posttrain.trainer.models.vision.VisionInfo when the vision tower is loaded
 
 
 # spec.training.remat -> the name of the Tunix RematConfig member every family's model has:
-# DECODER wraps a whole decoder layer in nnx.remat, BLOCK its attention and its MLP apart.
-REMAT_CONFIGS = {"none": "NONE", "block": "BLOCK", "layer": "DECODER"}
+# DECODER wraps a whole decoder layer in nnx.remat, BLOCK its attention and its MLP apart;
+# dots is DECODER keeping the layer's matmul outputs (models.remat).
+REMAT_CONFIGS = {"none": "NONE", "block": "BLOCK", "layer": "DECODER", "dots": "DECODER"}
 
 
 def resolve_remat(remat: str) -> str:
@@ -63,7 +65,9 @@ def resolve_remat(remat: str) -> str:
     if remat == "auto":
         return "none" if jax.default_backend() == "cpu" else "layer"
     if remat not in REMAT_CONFIGS:
-        raise ValueError(f"spec.training.remat: {remat!r} is not one of auto, none, block, layer")
+        raise ValueError(
+            f"spec.training.remat: {remat!r} is not one of auto, {', '.join(REMAT_CONFIGS)}"
+        )
     return remat
 
 
@@ -309,7 +313,8 @@ def model_info(
         hf = _first_layers(hf, num_layers, model_dir, layers_field)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     config, extras = build_config(family, hf, dtype, compute_dtype)
-    config = with_remat(shard_batch_over_slices(config), family, resolve_remat(remat))
+    remat = resolve_remat(remat)
+    config = with_remat(shard_batch_over_slices(config), family, remat)
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     info = ModelInfo(
         family=family,
@@ -328,6 +333,7 @@ def model_info(
         layer_types=extras["layer_types"],
         eos_token_ids=_eos_ids(model_dir, hf),
         compute_dtype=jnp.dtype(compute_dtype),
+        remat=remat,
     )
     if vision:
         from posttrain.trainer.models import vision as vision_lib

@@ -23,6 +23,7 @@ from tunix.models.gemma3 import model as gemma3_lib
 
 from posttrain.trainer.mesh import make_mesh
 from posttrain.trainer.models import attention as attention_lib
+from posttrain.trainer.models import remat as remat_lib
 from posttrain.trainer.models.config import ModelInfo, model_info
 from posttrain.trainer.models.families import model_class
 from posttrain.trainer.models.params import param_maps
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 def _configure(model: nnx.Module, info: ModelInfo, extras: dict) -> None:
     """Static settings the Tunix constructor cannot take (set on the abstract model)."""
     model.posttrain_compute_dtype = info.compute_dtype
+    if info.remat in remat_lib.POLICIES:
+        remat_lib.apply_policy(model, info.remat)
     if info.family == "gemma3":  # Tunix hard-codes a 5 local : 1 global pattern
         cfg = info.config
         for layer, kind in zip(model.layers, info.layer_types, strict=True):
