@@ -131,6 +131,25 @@ def test_estimate_compile_prints_the_tpu_compilers_figures(models_dir, tmp_path,
 
 
 @needs_libtpu
+def test_several_slices_compile_on_one_mesh_over_them(models_dir, tmp_path, capsys):
+    doc = _doc(models_dir / "llama", "v5e-4", lora={"rank": 8}, resources={"slices": 2})
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, doc)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "v5e-4 (v5e:2x2, 2 slices, 8 chips)" in out and "2 x 4 (dp x fsdp)" in out
+
+
+def test_a_cpu_job_compiles_with_xla_cpu(models_dir, tmp_path, capsys):
+    code = cli.main(["estimate", "--compile", _job_file(tmp_path, _doc(models_dir / "llama",
+                                                                       "cpu"))])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.startswith("cpu: compiled with XLA:CPU") and "  fits" in out
+    total = next(x for x in out.splitlines() if x.strip().startswith("total"))
+    assert "memory" in total and float(total.split()[1]) > 0
+
+
+@needs_libtpu
 def test_a_step_over_hbm_does_not_fit_with_the_compilers_figure(models_dir, tmp_path, capsys):
     """The TPU compiler refuses a step over HBM ("... exceeds available HBM"): reported
     as "does not fit" with its figures, exit 1, never a traceback."""

@@ -222,6 +222,8 @@ def describe(program: Program, limit_bytes: float, limit_name: str, peak_tflops:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
