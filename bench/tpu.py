@@ -81,7 +81,9 @@ def _sharding_tree(state, mesh):
     return jax.tree.map(place, state, specs, is_leaf=is_spec)
 
 
-def random_model(model_dir: Path, mesh, lora_rank: int | None, remat: str, compile_only: bool):
+def random_model(
+    model_dir: Path, mesh, lora_rank: int | None, remat: str, attention: str, compile_only: bool
+):
     """The model at model_dir's config.json shape: random weights made on the devices (norm
     scales 1, the rest N(0, 0.02)), or abstract ones (compile-only devices)."""
     import jax
@@ -94,7 +96,9 @@ def random_model(model_dir: Path, mesh, lora_rank: int | None, remat: str, compi
     info, extras = models.model_info(
         model_dir, dtype=compute if lora_rank else jnp.float32, compute_dtype=compute, remat=remat
     )
-    model = models.abstract_model(info, extras, mesh)
+    if compile_only and attention == "flash":  # the kernel a TPU would get
+        attention = "splash"
+    model = models.abstract_model(info, extras, mesh, attention)
     state = nnx.state(model)
     shardings = _sharding_tree(state, mesh)
     if compile_only:
@@ -213,9 +217,11 @@ def run_case(args: argparse.Namespace) -> dict:
         config["num_hidden_layers"] = args.layers
         (tmp / model_name / "config.json").write_text(json.dumps(config))
     out: dict = {"case": args.case, "seq": args.seq, "batch": args.batch, "remat": args.remat,
-                 "device": devices[0].device_kind}  # fmt: skip
+                 "attention": args.attention, "device": devices[0].device_kind}  # fmt: skip
     with jax.set_mesh(mesh):
-        model, info, wrt = random_model(tmp / model_name, mesh, rank, args.remat, compile_only)
+        model, info, wrt = random_model(
+            tmp / model_name, mesh, rank, args.remat, args.attention, compile_only
+        )
         training = TrainingSpec(batch_size=args.batch, steps=1000)
         if compile_only:
             opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, optim.optimizer(training), wrt=wrt),
@@ -263,6 +269,7 @@ def run_case(args: argparse.Namespace) -> dict:
             out["ratio_to_reference"] = ref_seconds / seconds
         stats = devices[0].memory_stats() or {}
         out["runtime_peak_gib"] = stats.get("peak_bytes_in_use", 0) / GIB
+        out["memory_stats"] = stats
         out["hbm_gib"] = stats.get("bytes_limit", 0) / GIB
     return out
 
@@ -271,6 +278,7 @@ def compile_only_devices(topology: str) -> list:
     """libtpu's compile-only devices of a one-host TPU topology (no TPU needed)."""
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip claimed
     from jax.experimental import topologies
 
     chips = 1 if topology.endswith("1x1") else 4
@@ -299,6 +307,7 @@ def show(r: dict) -> str:
             f"{r['case']:<18} seq {r['seq']:>5} batch {r['batch']:>2} {r['remat']:<5} {r['error']}"
         )
     line = (f"{r['case']:<18} seq {r['seq']:>5} batch {r['batch']:>2} {r['remat']:<5} "
+            f"{r.get('attention', ''):<5} "
             f"compile {r['compile_s']:5.0f} s  compiler peak {r['compiler_peak_gib']:5.2f} GiB")  # fmt: skip
     if "step_ms" not in r:
         return line + f"  compiler {r['compiler_tflop']:.1f} TFLOP (model {r['model_tflop']:.1f})"
@@ -316,6 +325,7 @@ def main() -> int:
     parser.add_argument("--seq", nargs="+", type=int, default=[2048])
     parser.add_argument("--batch", nargs="+", type=int, default=[2])
     parser.add_argument("--remat", nargs="+", default=["layer"])
+    parser.add_argument("--attention", nargs="+", default=["flash"], help="flash, dense")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=0, help="fewer layers (a quick check)")
     parser.add_argument("--no-reference", dest="reference", action="store_false")
@@ -336,8 +346,9 @@ def main() -> int:
                       "remat": args.remat, "error": f"{type(e).__name__}: {msg}"}  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    for case, seq, batch, remat in itertools.product(args.case, args.seq, args.batch, args.remat):
-        child = {"case": case, "seq": seq, "batch": batch, "remat": remat}
+    grid = itertools.product(args.case, args.seq, args.batch, args.remat, args.attention)
+    for case, seq, batch, remat, attention in grid:
+        child = {"case": case, "seq": seq, "batch": batch, "remat": remat, "attention": attention}
         proc = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(child), "--steps", str(args.steps),
              "--layers", str(args.layers), "--topology", args.topology,
