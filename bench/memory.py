@@ -137,6 +137,8 @@ def spec_doc(name: str, models_dir: Path) -> dict:
         "resources": {"accelerator": accelerator},
     }
     doc = _merge(doc, changes)
+    if not os.environ.get("POSTTRAIN_BENCH_TPU"):  # XLA:CPU has no flash kernel: dense
+        doc["training"].setdefault("attention", "dense")
     if "distill" in doc:
         doc["distill"]["teacher"]["source"] = str(models_dir / doc["distill"]["teacher"]["source"])
     return doc

@@ -248,6 +248,15 @@ def remat_of(spec: PostTrainJobSpec) -> str:
     return "layer" if remat == "auto" else remat
 
 
+def attention_is_flash(spec: PostTrainJobSpec, placement: Placement) -> bool:
+    """Whether the trainer's step runs a flash kernel (spec.training.attention auto or
+    flash, as models/attention.py resolves it): on a TPU or GPU, for SFT, DPO and
+    distillation (GRPO's learner builds Tunix's dense mask), without images."""
+    if str(spec.training.attention) == "dense" or placement.kind not in ("tpu", "gpu"):
+        return False
+    return spec.technique != "grpo" and spec.data.columns.images is None
+
+
 def shape_of(spec: PostTrainJobSpec) -> ModelShape | None:
     return model_shapes.shape(spec.model.source, spec.model.layers)
 
@@ -291,7 +300,9 @@ def estimate(
     # Bytes kept per token and decoder layer, per attention-probability element, per
     # logit: XLA's figures for the trainer's SFT step (tests/trainer/test_capacity_xla.py).
     per_token = (w + 2) * (7 * d + 5 * q + 3.5 * kv + 2.7 * f)
-    per_layer = tokens * per_token + rows * shape.heads * length * length * (8 + w)
+    # A flash kernel keeps no [heads, length, length] scores (attention_is_flash).
+    squares = 0 if attention_is_flash(spec, placement) else rows * shape.heads * length * length
+    per_layer = tokens * per_token + squares * (8 + w)
     remat = remat_of(spec)
     if remat == "none":
         activations = shape.layers * per_layer
@@ -300,13 +311,15 @@ def estimate(
         # what the forward kept: per layer the layer's inputs and what XLA keeps beside
         # them (XLA's figures for SFT, tests/trainer/test_capacity_xla.py), plus one
         # layer's whole working set while it is recomputed.
-        kept = tokens * (w + 2) * d * (SAVED_PER_LAYER if remat == "layer" else SAVED_PER_BLOCK)
+        kept = tokens * (w + 2) * d * (SAVED_PER_BLOCK if remat == "block" else SAVED_PER_LAYER)
+        if remat == "dots":  # and every projection's output (the trainer's models/remat.py)
+            kept += tokens * w * (q + 2 * kv + 2 * d + 2 * f)
         score, working = SAVED_PER_SCORE_UNCLIPPED, REMAT_WORKING_SET
         if t.gradient_accumulation > 1:  # the layers run in the micro-batch scan's body
             score, working = 0.0, 1.0
         elif t.max_grad_norm > 0 and (spec.technique in ("sft", "distill") or spec.lora):
             score = SAVED_PER_SCORE
-        kept += rows * shape.heads * length * length * score
+        kept += squares * score
         activations = shape.layers * kept + working * per_layer
     activations += tokens * (w + 2) * 10 * d
     # Per scored logit: SFT's loss (logsumexp minus the target's logit) keeps its float32

@@ -25,6 +25,7 @@ from flax import nnx
 from posttrain.api.spec import DpoSpec, PostTrainJobSpec
 from posttrain.trainer import models, optim
 from posttrain.trainer.mesh import AXES, BATCH_AXES
+from posttrain.trainer.models import attention as attention_lib
 from posttrain.trainer.policy import DTYPES
 
 
@@ -66,14 +67,28 @@ def _abstract(tree: Any, mesh: jax.sharding.Mesh, dtype: Any = None) -> Any:
     return jax.tree.map(place, tree, specs, is_leaf=is_spec)
 
 
-def _model(source: str, mesh, dtype, compute, remat: str, layers=None, family="auto", vision=False):
+def _model(source: str, mesh, dtype, compute, remat: str, layers=None, family="auto", vision=False,
+           attention="dense"):  # fmt: skip
     info, extras = models.model_info(
         source, family=family, dtype=dtype, compute_dtype=compute, num_layers=layers,
         vision=vision, remat=remat,
     )  # fmt: skip
-    model = models.abstract_model(info, extras, mesh)
+    model = models.abstract_model(info, extras, mesh, _kernel(attention, info, mesh))
     nnx.update(model, _abstract(nnx.state(model), mesh, info.dtype))
     return model, info
+
+
+def _kernel(attention: str, info: models.ModelInfo, mesh: jax.sharding.Mesh) -> str:
+    """spec.training.attention's kernel on the mesh's platform (a TPU compile: splash where
+    the trainer would run it); dense where the platform has none (XLA:CPU's figures for
+    an accelerator job)."""
+    platform = mesh.devices.flat[0].platform
+    try:
+        return attention_lib.resolve(
+            attention, family=info.family, platform=platform, vision=info.vision is not None
+        )
+    except ValueError:
+        return "dense"
 
 
 def remat_on_accelerator(spec: PostTrainJobSpec) -> str:
@@ -124,8 +139,9 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
     src, family, layers = spec.model.source, spec.model.family, spec.model.layers
     images = spec.data.columns.images is not None
     with jax.set_mesh(mesh):
+        attention = str(t.attention)
         model, info = _model(src, mesh, compute if spec.lora else jnp.float32, compute, remat,
-                             layers, family, images)  # fmt: skip
+                             layers, family, images, attention)  # fmt: skip
         wrt: Any = nnx.Param
         if images:
             wrt = vision_lib.full_finetune_params(t.train_vision_tower)
@@ -141,7 +157,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
         nnx.update(opt, _abstract(nnx.state(opt), mesh))
 
         def frozen() -> nnx.Module:
-            return _model(src, mesh, compute, compute, remat, layers, family)[0]
+            return _model(src, mesh, compute, compute, remat, layers, family, False, attention)[0]
 
         i32, n, length = jnp.int32, t.batch_size, spec.data.max_length
         sft_keys = ("input_ids", "loss_mask", "segment_ids", "positions")
@@ -157,7 +173,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
                 d = spec.distill
                 teacher, _ = _model(d.teacher.source, mesh, DTYPES[d.teacher.dtype],
                                  DTYPES[d.teacher.dtype], remat, d.teacher.layers,
-                                 d.teacher.family)  # fmt: skip
+                                 d.teacher.family, False, attention)  # fmt: skip
                 step = distill.make_train_step(
                     wrt, float(d.temperature), float(d.alpha), t.gradient_accumulation
                 )
