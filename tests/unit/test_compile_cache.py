@@ -12,3 +12,12 @@ def test_the_cache_is_under_the_users_cache_unless_told_otherwise():
     assert directory({"POSTTRAIN_JAX_CACHE": "/scratch/jax"}) == "/scratch/jax"
     assert directory({"POSTTRAIN_JAX_CACHE": ""}) is None  # off
     assert directory({"JAX_COMPILATION_CACHE_DIR": "/mine"}) is None  # JAX's own wins
+
+
+def test_a_pod_keeps_its_cache_on_the_jobs_volume_for_the_pod_a_restart_makes():
+    assert directory({}, "/outputs/run") == "/outputs/run/compile-cache"
+    assert directory({"POSTTRAIN_JAX_CACHE": "/scratch"}, "/outputs/run") == (
+        "/outputs/run/compile-cache"
+    )
+    assert directory({}, "gs://bucket/run") is None  # a bucket keeps none
+    assert directory({"JAX_COMPILATION_CACHE_DIR": "/mine"}, "/outputs/run") is None

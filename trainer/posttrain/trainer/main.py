@@ -45,8 +45,9 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     cpu_flags.apply()  # before JAX starts its CPU backend
     if devices := cpu_flags.apply_devices(job.spec):  # a disaggregated sampler's share
         log.info("%d CPU devices for spec.grpo.rollout's placement", devices)
-    if not in_pod:  # shared with `posttrain generate` and `export` on this machine
-        compile_cache.enable()
+    # Locally: shared with `posttrain generate` and `export` on this machine; in a pod:
+    # beside the checkpoints on the job's volume, for the pod a restart makes.
+    compile_cache.enable(output_uri=job.spec.output.uri if in_pod else None)
     if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
         host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
