@@ -44,13 +44,19 @@ def test_only_cpu_jobs_of_a_known_shape_get_one():
 
 
 def test_the_arrays_are_capacity_s_for_one_device_with_cpu_remat():
-    """auto is none on CPU (the trainer's choice), not layer as on accelerators."""
+    """auto is none on CPU (the trainer's choice), not layer as on accelerators, and
+    attention dense."""
     doc = job(data={"source": "/d", "maxLength": 256}, training={"batchSize": 8})
     est = estimate(doc)
     assert est.device.remat == "none" and est.device.layout.devices == 1
     s = PostTrainJobSpec.model_validate(doc["spec"])
     one_gpu = capacity.estimate(
-        s.model_copy(update={"training": s.training.model_copy(update={"remat": "none"})}),
+        # dense attention, as on CPU (a GPU's auto is flash)
+        s.model_copy(
+            update={
+                "training": s.training.model_copy(update={"remat": "none", "attention": "dense"})
+            }
+        ),
         catalog.resolve("nvidia-h100-80gb", None),
         capacity.Layout(1, 1),
     )
