@@ -178,3 +178,37 @@ def image_error(value: str) -> str | None:
     if ref is None:
         return "is not an image reference (registry/name:tag or registry/name@sha256:digest)"
     return None
+
+
+TRACKING_CREDENTIALS_HINT = (
+    "put credentials in a Secret and name it in spec.tracking.mlflow.tokenSecret "
+    "(or usernameSecret and passwordSecret) or spec.tracking.wandb.apiKeySecret"
+)
+
+
+def tracking_uri_error(value: str) -> str | None:
+    """Why `value` is not an experiment tracker's address (http:// or https://host[:port]
+    [/path]), or None. Like the other locations it carries no credentials: no user:password@
+    and no query string (where a token would go)."""
+    if bad := unsafe_character(value):
+        return f"contains {bad}; a tracking URI holds no control, whitespace or format characters"
+    scheme = _SCHEME.match(value)
+    name = scheme.group(0)[:-1] if scheme else ""
+    if name.lower() not in ("http", "https") or not value[scheme.end() :].startswith("//"):
+        return "must be an http:// or https:// URI of the tracking server"
+    if name != name.lower():
+        return f"write the scheme in lower case, {name.lower()}://"
+    rest = value[scheme.end() + 2 :]
+    host = rest.split("/", 1)[0]
+    if "@" in host:
+        return f"URIs carry no credentials; {TRACKING_CREDENTIALS_HINT}"
+    if "?" in rest or "#" in rest:
+        return (
+            "must not hold a query string or fragment (? or #: tokens do not go in URIs); "
+            f"{TRACKING_CREDENTIALS_HINT}"
+        )
+    if not re.fullmatch(
+        r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?", host
+    ):
+        return f"host {host!r} is not a host name or address (host or host:port)"
+    return None

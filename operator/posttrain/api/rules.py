@@ -277,6 +277,38 @@ RULES: list[Rule] = [
         "eval.samples: sample generations do not see images yet; set eval.samples: 0 with "
         "spec.data.columns.images (the held-out loss does see them)",
     ),
+    Rule(
+        "tracking",
+        "!has(self.tracking) || has(self.tracking.mlflow) || has(self.tracking.wandb)",
+        lambda s: (
+            s.tracking is None or s.tracking.mlflow is not None or s.tracking.wandb is not None
+        ),
+        "tracking needs mlflow, wandb or both",
+    ),
+    Rule(
+        "tracking.mlflow",
+        "!has(self.tracking) || !has(self.tracking.mlflow) || "
+        "has(self.tracking.mlflow.usernameSecret) == has(self.tracking.mlflow.passwordSecret)",
+        lambda s: (
+            s.tracking is None
+            or s.tracking.mlflow is None
+            or (s.tracking.mlflow.username_secret is None)
+            == (s.tracking.mlflow.password_secret is None)
+        ),
+        "tracking.mlflow: basic auth needs both usernameSecret and passwordSecret",
+    ),
+    Rule(
+        "tracking.mlflow",
+        "!has(self.tracking) || !has(self.tracking.mlflow) || "
+        "!has(self.tracking.mlflow.tokenSecret) || !has(self.tracking.mlflow.usernameSecret)",
+        lambda s: (
+            s.tracking is None
+            or s.tracking.mlflow is None
+            or s.tracking.mlflow.token_secret is None
+            or s.tracking.mlflow.username_secret is None
+        ),
+        "tracking.mlflow: tokenSecret or usernameSecret/passwordSecret, not both",
+    ),
 ]
 
 
@@ -348,6 +380,7 @@ IMMUTABLE: list[str] = [
     "resources",
     "image",
     "hfTokenSecret",
+    "tracking",
     "scheduling.queue",
     "scheduling.priorityClass",
     "scheduling.maxRestarts",

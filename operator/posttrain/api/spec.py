@@ -698,6 +698,96 @@ class SecretKeyRef(KubeModel):
     """Key within the Secret (letters, digits, `-`, `_`, `.`; not `.`, `..` or `..x`)."""
 
 
+TrackingUri = Annotated[str, _checked(locations.tracking_uri_error)]
+RUN_NAME_FIELDS = ("name", "namespace", "uid", "technique")
+
+
+def _run_name_error(template: str) -> str | None:
+    """Why a run name template is not one (only {name}, {namespace}, {uid}, {technique})."""
+    import string
+
+    try:
+        fields = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        return f"is not a run name template ({e}); write {{name}}, {{namespace}}, {{uid}}"
+    for field in fields:
+        if field not in RUN_NAME_FIELDS:
+            return f"{{{field}}} is not a run name field; use {', '.join(RUN_NAME_FIELDS)}"
+    return None
+
+
+RunNameTemplate = Annotated[str, _checked(_run_name_error)]
+
+
+class MlflowSpec(KubeModel):
+    """An MLflow tracking server that the trainer (process 0) reports the run to."""
+
+    tracking_uri: TrackingUri | None = Field(default=None, max_length=URI_MAX)
+    """http(s)://host[:port][/path] of the tracking server, without credentials. Default:
+    the cluster's (the operator's chart value tracking.mlflow.trackingUri)."""
+
+    experiment: str | None = Field(default=None, min_length=1, max_length=500)
+    """Experiment name (created when missing). Default: the job's namespace (`default`
+    for `posttrain run`)."""
+
+    run_name: RunNameTemplate = Field(default="{name}", min_length=1, max_length=250)
+    """Run name: a template of {name}, {namespace}, {uid} and {technique}."""
+
+    token_secret: SecretKeyRef | None = None
+    """Secret holding a bearer token (MLFLOW_TRACKING_TOKEN)."""
+
+    username_secret: SecretKeyRef | None = None
+    """Secret holding the basic-auth user name (MLFLOW_TRACKING_USERNAME), with
+    passwordSecret."""
+
+    password_secret: SecretKeyRef | None = None
+    """Secret holding the basic-auth password (MLFLOW_TRACKING_PASSWORD), with
+    usernameSecret."""
+
+
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"
+
+
+class WandbSpec(KubeModel):
+    """A Weights & Biases project that the trainer (process 0) reports the run to."""
+
+    project: str = Field(min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$")
+    """Project name."""
+
+    entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$")
+    """Team or user that owns the project. Default: the API key's default entity."""
+
+    run_name: RunNameTemplate = Field(default="{name}", min_length=1, max_length=128)
+    """Run name: a template of {name}, {namespace}, {uid} and {technique}."""
+
+    mode: WandbMode = WandbMode.online
+    """online (report as the run goes) or offline (write the run under
+    output.uri/wandb/, for `wandb sync` later)."""
+
+    base_url: TrackingUri | None = Field(default=None, max_length=URI_MAX)
+    """A W&B server of your own (WANDB_BASE_URL), without credentials. Default: W&B's."""
+
+    api_key_secret: SecretKeyRef | None = None
+    """Secret holding the API key (WANDB_API_KEY); needed online."""
+
+
+class TrackingSpec(KubeModel):
+    """Experiment tracking: the spec as parameters, every TensorBoard metric at its step,
+    the final phase and goodput, the exported adapter's config and model card and
+    eval.json as artifacts. A tracker that is down never stops training."""
+
+    mlflow: MlflowSpec | None = None
+    """Report to an MLflow tracking server (the trainer image needs posttrain[mlflow])."""
+
+    wandb: WandbSpec | None = None
+    """Report to Weights & Biases (the trainer image needs posttrain[wandb])."""
+
+    log_weights: bool = False
+    """Also upload the exported weights (hf/) as artifacts; they can be large."""
+
+
 # Cross-field rules live in posttrain.api.rules (one list, enforced both as CEL in the CRD
 # and in Python by `posttrain.api.validate`).
 
@@ -749,6 +839,9 @@ class PostTrainJobSpec(KubeModel):
 
     hf_token_secret: SecretKeyRef | None = Field(default=None, alias="hfTokenSecret")
     """Secret holding a Hugging Face token, passed to the trainer as HF_TOKEN."""
+
+    tracking: TrackingSpec | None = None
+    """Experiment tracking (MLflow, Weights & Biases); absent: TensorBoard only."""
 
 
 class Phase(StrEnum):
