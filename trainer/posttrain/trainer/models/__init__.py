@@ -12,6 +12,7 @@ Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` rea
 - ``loading``: a checkpoint into a sharded model, each host reading only its shards;
 - ``generation``: the forward pass and greedy generation;
 - ``attention``: flash attention kernels (splash on TPU, cuDNN on GPU) for training;
+- ``remat``: decoder-layer remat that keeps the matmul outputs (``spec.training.remat: dots``);
 - ``saving``: a model (LoRA merged in) back to a HF checkpoint.
 
 Imports point one way: ``posttrain.trainer.lora`` stands on this package, and
