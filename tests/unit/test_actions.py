@@ -15,7 +15,7 @@ from posttrain.controller.actions import (
     status_event,
     stop_failed,
 )
-from posttrain.controller.phase import Cause, WorkloadState, status_patch
+from posttrain.controller.phase import Cause, PodState, WorkloadState, status_patch
 from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
 from posttrain.controller.workqueue import WorkQueue
 
@@ -317,3 +317,112 @@ def test_user_suspend_deactivates_an_admitted_workload():
     resumed = job(status=PENDING)
     assert decide(resumed, Observed(js, (), inactive), NOW).workload_active is True
     assert decide(resumed, Observed(js, (), None), NOW).workload_active is None
+
+
+# The progress deadline (spec.scheduling.progressDeadlineSeconds): a running job whose
+# trainer stopped reporting is restarted while maxRestarts allows, else failed.
+START = "2026-01-01T10:00:00Z"  # the trainer's pods started (this attempt)
+
+
+def running_job(progress=None, restarts=0, pods=(), **scheduling):
+    """A job whose status the operator wrote for its running JobSet and `pods`."""
+    js = jobset(annotation=ANNOTATED, ready=1)
+    js["status"]["restarts"] = restarts
+    spec = job(scheduling=scheduling)["spec"]
+    status = status_patch(js, spec, {}, NOW, 1, pods) | {"progress": progress or {}}
+    return job(status=status, scheduling=scheduling), js
+
+
+def pod(started=START, attempt=0):
+    return PodState("j-slice-0-0", "slice", 0, attempt, True, False, started_at=started)
+
+
+def beat(at, phase="training", step=812):
+    return {"updatedAt": at, "phase": phase, "step": step}
+
+
+DEADLINES = [
+    # (case, progress, restarts, scheduling, now, pods, outcome, message or check-in seconds)
+    ("step reported 10 min ago: look again in 20", beat("2026-01-01T11:00:00Z"), 0, {},
+     "2026-01-01T11:10:00Z", [pod()], "wait", 1200),
+    ("no step for 30 min: restart 1 of 3", beat("2026-01-01T11:00:00Z"), 0, {},
+     "2026-01-01T11:30:00Z", [pod()], "restart",
+     "no progress since 11:00 UTC (last: step 812, training; deadline 30m, "
+     "spec.scheduling.progressDeadlineSeconds): restarting the JobSet (restart 1 of 3)"),
+    ("evaluating: the same deadline", beat("2026-01-01T11:00:00Z", "evaluating"), 1, {},
+     "2026-01-01T11:31:00Z", [pod(attempt=1)], "restart", "restart 2 of 3"),
+    ("no restarts left: failed with the reason", beat("2026-01-01T14:02:00Z"), 3, {},
+     "2026-01-01T14:40:00Z", [pod(attempt=3)], "fail",
+     "no progress since 14:02 UTC (last: step 812, training; deadline 30m, "
+     "spec.scheduling.progressDeadlineSeconds); no restarts left "
+     "(spec.scheduling.maxRestarts 3)"),
+    ("maxRestarts 0: fails at once", beat("2026-01-01T11:00:00Z"), 0, {"maxRestarts": 0},
+     "2026-01-01T11:30:00Z", [pod()], "fail", "no restarts left"),
+    ("compiling the first step: 3 times as long", beat("2026-01-01T10:05:00Z", "compiling", 0),
+     0, {}, "2026-01-01T11:00:00Z", [pod()], "wait", 2100),
+    ("exporting: 3 times as long", beat("2026-01-01T11:00:00Z", "exporting", 1000), 0, {},
+     "2026-01-01T12:00:00Z", [pod()], "wait", 1800),
+    ("nothing reported since the pods started: 90 min grace", None, 0, {},
+     "2026-01-01T11:29:00Z", [pod()], "wait", 60),
+    ("nothing reported since the pods started, past the grace", None, 0, {},
+     "2026-01-01T11:30:00Z", [pod()], "restart",
+     "no progress since 10:00 UTC (no report since the trainer started; deadline 90m"),
+    ("a report of the attempt before the restart does not count",
+     beat("2026-01-01T09:00:00Z"), 1, {}, "2026-01-01T10:20:00Z",
+     [pod("2026-01-01T10:00:00Z", attempt=1)], "wait", 4200),
+    ("pods of an earlier attempt do not count", None, 1, {}, "2026-01-01T11:40:00Z",
+     [pod("2026-01-01T08:00:00Z", attempt=0), pod("2026-01-01T10:30:00Z", attempt=1)],
+     "wait", 1200),
+    ("a shorter deadline", beat("2026-01-01T11:00:00Z"), 0, {"progressDeadlineSeconds": 90},
+     "2026-01-01T11:01:31Z", [pod()], "restart", "deadline 90s"),
+    ("deadline 0: never", beat("2026-01-01T11:00:00Z"), 0, {"progressDeadlineSeconds": 0},
+     "2026-01-02T11:00:00Z", [pod()], "wait", None),
+    ("no pod start known yet: nothing to measure", None, 0, {}, "2026-01-02T11:00:00Z",
+     [pod(None)], "wait", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case,progress,restarts,scheduling,now,pods,outcome,expected",
+    DEADLINES,
+    ids=[t[0] for t in DEADLINES],
+)
+def test_progress_deadline(case, progress, restarts, scheduling, now, pods, outcome, expected):
+    ptj, js = running_job(progress, restarts, pods, **scheduling)
+    actions = decide(ptj, Observed(js, tuple(pods)), now)
+    if outcome == "wait":
+        assert actions.restart is None and actions.status is None
+        assert actions.check_in == expected
+    elif outcome == "restart":
+        assert actions.restart is not None and actions.restart.type == "Warning"
+        assert actions.restart.reason == "ProgressDeadlineExceeded"
+        assert expected in actions.restart.message
+        assert actions.status is None and not actions.jobset_patch
+    else:
+        assert actions.restart is None
+        assert actions.status["phase"] == "Failed" and actions.status["restarts"] == restarts
+        assert expected in actions.status["message"]
+        failed = {c["type"]: c for c in actions.status["conditions"]}["Failed"]
+        assert failed["reason"] == "ProgressDeadlineExceeded"
+        assert expected in failed["message"]
+        assert [(e.type, e.reason) for e in actions.events] == [
+            ("Warning", "ProgressDeadlineExceeded")
+        ]
+        assert actions.jobset_patch == {"spec": {"suspend": True}}  # its pods stop
+
+
+def test_a_stalled_job_is_restarted_once_per_attempt():
+    """Until the JobSet controller restarts it, later reconciles do not end it again."""
+    ptj, js = running_job(beat("2026-01-01T11:00:00Z"), 0, [pod()])
+    observed = Observed(js, (pod(),), restart_requested=True)
+    actions = decide(ptj, observed, "2026-01-01T12:00:00Z")
+    assert actions.restart is None and actions.status is None and actions.check_in is None
+
+
+def test_a_job_not_running_has_no_deadline():
+    ptj, js = running_job(beat("2026-01-01T11:00:00Z"))
+    js["status"]["replicatedJobsStatus"] = [{"name": "slice", "ready": 0}]
+    waiting = PodState("p", "slice", 0, 0, False, False, started_at=START)
+    actions = decide(ptj, Observed(js, (waiting,)), "2026-01-02T12:00:00Z")
+    assert actions.restart is None and actions.check_in is None
+    assert actions.status["phase"] == "Pending"

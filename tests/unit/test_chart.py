@@ -60,7 +60,7 @@ EXPECTED_CLUSTER_RULES = {
     ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get", "list", "watch"},
     ("kueue.x-k8s.io", "localqueues"): {"get"},
     ("", "pods"): {"list", "watch"},
-    ("batch", "jobs"): {"list", "watch"},
+    ("batch", "jobs"): {"list", "watch", "patch"},  # progressDeadlineSeconds: end its Jobs
     ("kueue.x-k8s.io", "workloads"): {"list", "watch", "patch"},
     ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
     ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"): {"get"},

@@ -680,6 +680,13 @@ class SchedulingSpec(KubeModel):
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=INT32_MAX)
     """Delete the JobSet (not the PostTrainJob) this long after it finishes."""
 
+    progress_deadline_seconds: int = Field(default=1800, ge=0, le=INT32_MAX)
+    """Restart the job when its trainer reports no progress (a step, an evaluation, a
+    checkpoint) for this long: a hung collective or host. Counted against maxRestarts;
+    with none left the job fails. Before the first step of each start (loading, the
+    first compile) and while exporting, 3 times as long. The trainer's own watchdog
+    exits with every thread's stack after the same deadline. 0: never."""
+
 
 class SecretKeyRef(KubeModel):
     """A key of a Secret in the job's namespace."""
@@ -885,6 +892,10 @@ class Progress(KubeModel):
 
     step: int | None = None
     """Last completed optimizer step."""
+
+    phase: str | None = None
+    """What the trainer is doing: compiling, training, evaluating, checkpointing or
+    exporting (its heartbeat, with updatedAt)."""
 
     total_steps: int | None = None
     """Steps the job will run."""

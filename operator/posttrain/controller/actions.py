@@ -12,14 +12,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from posttrain.api.spec import Phase
+from posttrain.controller import deadline
 from posttrain.controller.phase import (
     TERMINAL,
     WARNINGS,
     Cause,
+    Observation,
     PodState,
     WorkloadState,
     changed,
     jobset_finished,
+    observation_patch,
     status_patch,
     status_reason,
     workload_activation,
@@ -45,6 +48,8 @@ class Observed:
     pods: tuple[PodState, ...] = ()
     workload: WorkloadState | None = None
     blocked: Cause | None = None  # why no pod can be made (phase.missing_priority_class)
+    # The operator already ended the Jobs of the JobSet's current attempt (`restart`).
+    restart_requested: bool = False
 
 
 @dataclass
@@ -55,6 +60,10 @@ class Actions:
     jobset_patch: dict[str, Any] = field(default_factory=dict)
     jobset_events: list[Event] = field(default_factory=list)  # once the JobSet is patched
     workload_active: bool | None = None  # the Workload's spec.active, when it must change
+    # The trainer stopped reporting: end the Jobs of the JobSet's current attempt (the
+    # JobSet controller restarts it, counted against maxRestarts); this Event once done.
+    restart: Event | None = None
+    check_in: float | None = None  # look again in this many seconds (a deadline to check)
 
 
 def status_event(previous: dict[str, Any], patch: dict[str, Any]) -> Event | None:
@@ -156,6 +165,29 @@ def stop_failed(
     return actions
 
 
+def stalled(
+    job: dict[str, Any], observed: Observed, patch: dict[str, Any], why: str, now: str
+) -> Actions:
+    """A running job whose trainer stopped reporting (`deadline.check`): its JobSet
+    restarted while spec.scheduling.maxRestarts allows (the JobSet's own restarts count
+    too), else the job failed with `why` and its JobSet stopped."""
+    spec, previous = job.get("spec") or {}, job.get("status") or {}
+    restarts = int(patch.get("restarts") or 0)
+    allowed = int((spec.get("scheduling") or {}).get("maxRestarts", 3))
+    if restarts < allowed:
+        actions = status_write(previous, patch)
+        if not observed.restart_requested:
+            message = f"{why}: restarting the JobSet (restart {restarts + 1} of {allowed})"
+            actions.restart = Event("Warning", deadline.REASON, message)
+        return actions
+    message = f"{why}; no restarts left (spec.scheduling.maxRestarts {allowed})"
+    obs = Observation(Phase.failed, deadline.REASON, message, restarts)
+    failed = observation_patch(obs, spec, previous, now, job["metadata"].get("generation"))
+    written = status_write(previous, failed)
+    stop = stop_failed(Phase.failed, observed.jobset, observed.workload)
+    return replace(stop, status=written.status, events=written.events)
+
+
 def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
     """Everything a reconcile of `job` does given what is observed of its children."""
     if job["metadata"].get("deletionTimestamp"):
@@ -181,6 +213,13 @@ def decide(job: dict[str, Any], observed: Observed, now: str) -> Actions:
     if patch.get("phase") == Phase.failed:  # it fails now: no scheduling change matters
         stop = stop_failed(patch["phase"], observed.jobset, observed.workload)
         return replace(stop, status=actions.status, events=actions.events)
+    if patch.get("phase") == Phase.running:
+        verdict = deadline.check(
+            spec, previous.get("progress"), int(patch.get("restarts") or 0), observed.pods, now
+        )
+        if verdict.stalled is not None:
+            return stalled(job, observed, patch, verdict.stalled, now)
+        actions.check_in = verdict.check_in
     actions.jobset_patch, actions.jobset_events = scheduling_update(spec, observed.jobset)
     # Kueue starts a suspended JobSet whose Workload it admitted: the user's suspend
     # deactivates the Workload (Kueue's own way to stop a job).

@@ -303,3 +303,32 @@ def create_all(namespace: str, objects: list[dict[str, Any]]) -> list[tuple[dict
     if errors:
         raise next((e for e in errors if isinstance(e, Refused)), errors[0])
     return [f.result() for f in futures]
+
+
+BATCH_JOBS = "/apis/batch/v1/namespaces/{namespace}/jobs"
+
+
+def end_attempt(namespace: str, jobset: dict[str, Any]) -> list[str]:
+    """End the Jobs of the JobSet's current attempt (its status.restarts): each gets
+    spec.activeDeadlineSeconds 1, so the Job controller fails it (DeadlineExceeded) and
+    removes its pods, and the JobSet controller restarts the JobSet, counted against its
+    maxRestarts, or fails it. The Jobs' names; a Job already finished is left as it is."""
+    meta = jobset["metadata"]
+    restarts = str(int((jobset.get("status") or {}).get("restarts") or 0))
+    selector = (
+        f"jobset.sigs.k8s.io/jobset-name={meta['name']},"
+        f"jobset.sigs.k8s.io/restart-attempt={restarts}"
+    )
+    path = BATCH_JOBS.format(namespace=namespace)
+    found = _unless_gone("list", "GET", path, query=[("labelSelector", selector)]) or {}
+    ended = []
+    for job in found.get("items") or []:
+        if meta.get("uid") not in owner_uids(job):
+            continue
+        done = {c.get("type") for c in (job.get("status") or {}).get("conditions") or []}
+        if done & {"Complete", "Failed", "FailureTarget"}:
+            continue
+        name = job["metadata"]["name"]
+        if patch(f"{path}/{name}", {"spec": {"activeDeadlineSeconds": 1}}) is not None:
+            ended.append(name)
+    return ended

@@ -25,6 +25,14 @@ JOBS = Gauge("posttrain_jobs", "PostTrainJobs by phase", ["phase"])
 for _phase in ("Pending", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"):
     JOBS.labels(_phase).set(0)
 LEADER = Gauge("posttrain_leader", "1 while this replica holds the leader Lease")
+PROGRESS_DEADLINE = Counter(
+    "posttrain_progress_deadline_exceeded_total",
+    "Jobs whose trainer reported no progress within spec.scheduling.progressDeadlineSeconds, "
+    "by what the operator did: restart (their JobSet) or fail",
+    ["action"],
+)
+for _action in ("restart", "fail"):
+    PROGRESS_DEADLINE.labels(_action)
 JOB_LABELS = ["job_namespace", "job_name"]
 PHASE_ENTERED = Gauge(
     "posttrain_job_phase_entered_timestamp_seconds",

@@ -26,7 +26,7 @@ import kopf
 
 from posttrain.api.spec import Phase
 from posttrain.checks import validate
-from posttrain.controller import kube, metrics, trainer_access, watches
+from posttrain.controller import deadline, kube, metrics, trainer_access, watches
 from posttrain.controller.actions import (
     Actions,
     Event,
@@ -35,7 +35,12 @@ from posttrain.controller.actions import (
     scheduling_annotation,
     status_write,
 )
-from posttrain.controller.phase import Observation, observation_patch, waits_in_queue
+from posttrain.controller.phase import (
+    Observation,
+    observation_patch,
+    status_reason,
+    waits_in_queue,
+)
 from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
 from posttrain.controller.workqueue import WorkQueue
 from posttrain.render import RenderConfig, render
@@ -89,6 +94,18 @@ class Written:
     def forget(cls, key: Key) -> None:
         cls.jobs.pop(key, None)
         cls.jobsets.pop(key, None)
+        cls.ended.pop(key, None)
+
+    # The JobSet attempt (UID, restarts) whose Jobs this operator ended for a job whose
+    # trainer stopped reporting (`actions.stalled`), so that it does so once.
+    ended: dict[Key, tuple[str, int]] = {}
+
+    @classmethod
+    def attempt(cls, jobset: dict[str, Any] | None) -> tuple[str, int] | None:
+        if jobset is None:
+            return None
+        restarts = int((jobset.get("status") or {}).get("restarts") or 0)
+        return jobset["metadata"].get("uid"), restarts
 
 
 def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed] | None:
@@ -112,6 +129,8 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
         pods=pods,
         workload=watches.workload(indexes, namespace, jobset),
         blocked=watches.blocked(indexes, namespace, jobset, len(pods)),
+        restart_requested=(attempt := Written.attempt(jobset)) is not None
+        and Written.ended.get(key) == attempt,
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed
@@ -127,6 +146,7 @@ class Result:
     events: list[Event] = field(default_factory=list)
     waiting: bool = False  # it waits in a Kueue queue
     deferred: bool = False  # its JobSet was made, its status is left for the next reconcile
+    check_in: float | None = None  # seconds until its progress deadline passes
 
 
 def _fail(job: dict[str, Any], reason: str, message: str) -> Actions:
@@ -212,7 +232,17 @@ def apply(
         if (stored := kube.patch(path, actions.jobset_patch)) is not None:
             result.jobset = jobset_summary(stored)
         result.events.extend(actions.jobset_events)
+    if actions.restart is not None and observed.jobset is not None:
+        ended = kube.end_attempt(meta["namespace"], observed.jobset)
+        log.warning("job %s/%s: %s (Jobs %s)", meta["namespace"], meta["name"],
+                    actions.restart.message, ", ".join(ended) or "none left")  # fmt: skip
+        Written.ended[(meta["namespace"], meta["name"])] = Written.attempt(observed.jobset)
+        metrics.PROGRESS_DEADLINE.labels("restart").inc()
+        result.events.append(actions.restart)
     _write_status(job, actions, result)
+    if actions.status is not None and status_reason(actions.status) == deadline.REASON:
+        metrics.PROGRESS_DEADLINE.labels("fail").inc()
+    result.check_in = actions.check_in
 
 
 _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="reconcile")
@@ -268,6 +298,8 @@ async def reconcile(key: Key, indexes: dict[str, Any], queue: WorkQueue) -> None
             queue.add(key)
         if result.waiting:
             queue.later(key, watches.POSITIONS.ttl)
+        if result.check_in is not None:  # nothing else may come: look again then
+            queue.later(key, result.check_in + 1)
     finally:
         metrics.RECONCILES.labels(result.kind).inc()
         metrics.LATENCY.labels(result.kind).observe(time.monotonic() - start)

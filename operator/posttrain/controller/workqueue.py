@@ -95,15 +95,19 @@ class WorkQueue:
         self._due[key] = asyncio.get_running_loop().call_later(wait, self._due_now, key)
 
     def later(self, key: Hashable, delay: float) -> None:
-        """Run key again in `delay` seconds (something it waits for sends no event)."""
-        if key in self._later:
-            return
+        """Run key again in `delay` seconds (something it waits for sends no event); of
+        two such times, the earlier."""
+        loop = asyncio.get_running_loop()
+        if (pending := self._later.get(key)) is not None:
+            if pending.when() <= loop.time() + delay:
+                return
+            pending.cancel()
 
         def due() -> None:
             self._later.pop(key, None)
             self.add(key)
 
-        self._later[key] = asyncio.get_running_loop().call_later(delay, due)
+        self._later[key] = loop.call_later(delay, due)
 
     def forget(self, key: Hashable) -> None:
         self._failures.pop(key, None)

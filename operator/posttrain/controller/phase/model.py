@@ -61,6 +61,7 @@ class PodState:
     done: bool  # succeeded
     cause: Cause | None = None
     owner_uid: str | None = None  # its controller, a Job (see `owned_pods`)
+    started_at: str | None = None  # status.startTime: when the kubelet started it
 
 
 @dataclass(frozen=True)

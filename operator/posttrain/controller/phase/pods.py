@@ -128,4 +128,5 @@ def pod_state(pod: dict[str, Any]) -> PodState:
         running=running,
         done=status.get("phase") == "Succeeded",
         cause=min(causes, key=lambda c: c.rank) if causes else None,
+        started_at=status.get("startTime"),
     )
