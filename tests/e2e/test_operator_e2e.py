@@ -779,3 +779,53 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
     finally:
         cluster.kubectl("delete", "ptj", "admitted", "-n", namespace, "--wait=true", check=False)
         cluster.delete_all([*queue, *policy])
+
+
+def report(cluster: Cluster, namespace: str, name: str, step: int) -> None:
+    """What the trainer's heartbeat writes (posttrain.trainer.progress): the phase and
+    step it is at, with the time, in status.progress."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    progress = {"phase": "training", "step": step, "totalSteps": 1000, "updatedAt": now}
+    cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": {"progress": progress}}
+    )
+
+
+def test_trainer_that_stops_reporting_is_restarted_then_failed(
+    cluster: Cluster, namespace: str, operator
+):
+    """A trainer whose pods keep running but which reports no progress (a hung
+    collective): past spec.scheduling.progressDeadlineSeconds the operator restarts its
+    JobSet (counted against maxRestarts), and with no restart left fails the job, saying
+    since when and where it stood; its JobSet stops."""
+    name = "hung"
+    tpu_job(cluster, namespace, name, "posttrain-trainer:long",
+            maxRestarts=1, progressDeadlineSeconds=3)  # fmt: skip
+    wait_phase(cluster, namespace, name, "Running", timeout=90, describe="jobsets,jobs,pods")
+    report(cluster, namespace, name, 5)  # then nothing more: it hangs
+
+    def restarted() -> bool:
+        st = status(cluster, namespace, name)
+        return st.get("restarts") == 1 and st.get("phase") == "Running"
+
+    wait_for(restarted, timeout=90, what="a restart of the hung job, running again",
+             describe=lambda: cluster.describe(namespace, "jobsets,jobs,pods,events"))  # fmt: skip
+    events = cluster.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},reason=ProgressDeadlineExceeded"
+    ).items
+    restart = [e.message for e in events if "restarting the JobSet" in e.message]
+    assert restart and restart[0].startswith("no progress since "), restart
+    assert "(last: step 5, training; deadline 3s" in restart[0], restart
+    assert restart[0].endswith("restarting the JobSet (restart 1 of 1)"), restart
+    # The Jobs of the first start were ended by their deadline, not by a crash.
+    report(cluster, namespace, name, 7)  # the second start reports once, then hangs too
+    st, failed = wait_failed(cluster, namespace, name, 60)
+    assert failed["reason"] == "ProgressDeadlineExceeded", failed
+    assert st["restarts"] == 1, st
+    assert st["message"].startswith("no progress since "), st["message"]
+    assert "(last: step 7, training; deadline 3s" in st["message"], st["message"]
+    assert st["message"].endswith("no restarts left (spec.scheduling.maxRestarts 1)"), st
+    assert "ProgressDeadlineExceeded" in reasons(cluster, namespace, name)
+    wait_stopped(cluster, namespace, name)
+    assert operator.metric("posttrain_progress_deadline_exceeded_total", 'action="restart"') == 1
+    assert operator.metric("posttrain_progress_deadline_exceeded_total", 'action="fail"') == 1
