@@ -92,6 +92,9 @@ def test_trainer_writes_progress(
     assert progress["step"] == 6 and progress["totalSteps"] == 6
     assert progress["lastCheckpointStep"] == 6
     assert progress["loss"] > 0 and progress["tokensPerSecond"] > 0 and "updatedAt" in progress
+    # The heartbeat (spec.scheduling.progressDeadlineSeconds): its last phase, kept by the
+    # trainer status policy and the CRD's schema.
+    assert progress["phase"] == "exporting"
     # The held-out evaluation at the end (spec.eval), kept by the API server as written.
     assert progress["evalStep"] == 6 and progress["evalLoss"] > 0
     assert set(progress["evalMetrics"]) == {"loss", "perplexity"}

@@ -159,3 +159,43 @@ def test_status_progress_carries_the_samplers_metrics():
     }
     assert ProgressStatus.model_validate(patch).rollout["samplerBusy"] == 0.75
     progress.close(2, metrics)
+
+
+def test_heartbeat_says_the_phase_at_once_and_steps_every_30_s(monkeypatch):
+    """status.progress.phase (the operator's progress deadline): each new phase is
+    written at once; steps between log steps at most every HEARTBEAT_INTERVAL_S."""
+    from posttrain.api import heartbeat
+    from posttrain.trainer import progress as progress_module
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+
+    class Status:
+        def __init__(self):
+            self.patches = []
+
+        def patch(self, progress):
+            self.patches.append(progress)
+
+    status = Status()
+    progress = Progress(100, 0, True, None, status, show_bar=False)
+    progress.phase("compiling and running step 1")
+    progress.step(1, {}, log_now=False)  # a new phase: written
+    now[0] += 10
+    progress.step(2, {}, log_now=False)  # 10 s later, the same phase: not yet
+    now[0] += 25
+    progress.step(3, {}, log_now=False)  # 35 s after the last write
+    progress.phase("evaluating step 3")
+    progress.phase("checkpointing step 3")
+    assert [(p["phase"], p["step"]) for p in status.patches] == [
+        (heartbeat.COMPILING, 0),
+        (heartbeat.TRAINING, 1),
+        (heartbeat.TRAINING, 3),
+        (heartbeat.EVALUATING, 3),
+        (heartbeat.CHECKPOINTING, 3),
+    ]
+    assert all(p["updatedAt"].endswith("Z") for p in status.patches)
+    now[0] += 60
+    progress.step(4, {"loss": 0.5}, log_now=True)  # a log step's full report has it too
+    assert status.patches[-1]["phase"] == heartbeat.TRAINING
+    assert status.patches[-1]["loss"] == 0.5

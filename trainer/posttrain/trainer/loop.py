@@ -385,6 +385,7 @@ def run_steps(
                     )
                 clock.charge("eval")
             if save_now:
+                progress.phase(f"checkpointing step {result.step}")
                 checkpoints.save(
                     result.step,
                     trainable_state(model, wrt, opt),

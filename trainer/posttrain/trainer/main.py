@@ -5,7 +5,9 @@ JobSet does not retry; 143 stopped by SIGTERM after saving a checkpoint (the Job
 restarts the job, which resumes from it); 75 a server did not answer: the Pathways proxy
 (see `posttrain.trainer.pathways`) or an hf:// source's Hub (storage.Unreachable), worth a
 restart; 130 Ctrl-C before the first step (nothing to save; SIGTERM then exits 143, the
-JobSet restarts it); anything else is a crash worth a restart.
+JobSet restarts it); 70 (watchdog.HUNG_EXIT_CODE) no progress within
+spec.scheduling.progressDeadlineSeconds, after every thread's stack, worth a restart;
+anything else is a crash worth a restart.
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         return code
     from posttrain.trainer.loop import train
     from posttrain.trainer.signals import Interrupted, StopFlag, exit_code, stopped_line
+    from posttrain.trainer.watchdog import watching
 
     stop = StopFlag()
     stop.install()
     try:
-        result = train(job, info, show_bar=show_bar, stop=stop)
+        with watching(job.spec.scheduling.progress_deadline_seconds):  # a hung loop exits
+            result = train(job, info, show_bar=show_bar, stop=stop)
     except Interrupted as e:  # before the first step (no watcher thread): nothing to save
         print(stopped_line(e.signum), file=sys.stderr)
         return exit_code(e.signum)

@@ -16,6 +16,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from posttrain.api import heartbeat
+from posttrain.trainer import watchdog
+
 if TYPE_CHECKING:
     from posttrain.trainer.goodput import Ledger
 
@@ -127,6 +130,8 @@ class Progress:
         self.bar = None
         self._redirect: Any = None
         self._bar_metrics: list[str] = []  # the bar's latest metrics, as shown
+        # The heartbeat (posttrain.api.heartbeat): the phase, and the one last written.
+        self._step, self._phase, self._written_phase = start_step, heartbeat.LOADING, None
         if not is_main:
             return
         if tensorboard_dir:
@@ -157,8 +162,10 @@ class Progress:
     def phase(self, doing: str | None) -> None:
         """What the run is doing between steps (compiling, evaluating): the bar's label
         on a terminal, a log line otherwise; None when steps run again."""
+        watchdog.beat(heartbeat.phase_of(doing), self._step)
         if not self.is_main:
             return
+        self._heartbeat(heartbeat.phase_of(doing))
         if self.bar is not None:  # in the metrics' place: the bar keeps its width
             self.bar.set_postfix_str(doing or ", ".join(self._bar_metrics), refresh=True)
         elif doing:
@@ -173,6 +180,8 @@ class Progress:
 
     def step(self, step: int, metrics: dict[str, float], log_now: bool) -> None:
         """Called after every optimizer step; metrics are written when log_now."""
+        watchdog.beat(heartbeat.TRAINING, step)
+        self._step, self._phase = step, heartbeat.TRAINING
         if not self.is_main:
             return
         if self.bar is not None:
@@ -184,6 +193,7 @@ class Progress:
             self.bar.set_postfix_str(", ".join(self._bar_metrics), refresh=False)
             self.bar.update(step - self.bar.n)
         if not log_now:
+            self._heartbeat(heartbeat.TRAINING)
             return
         if self.log_lines or self.bar is not None:
             shown = " ".join(f"{k}={v}" for k, v in _shown(metrics).items())
@@ -196,11 +206,25 @@ class Progress:
         if self.status is not None and (
             now - self._last_status >= self.status_interval_s or step == self.total
         ):
-            self._last_status = now
+            self._last_status, self._written_phase = now, self._phase
             self.status.patch(self._progress(step, metrics))
+
+    def _heartbeat(self, phase: str) -> None:
+        """status.progress.phase with updatedAt: at once when the phase changes, else at
+        most every heartbeat.HEARTBEAT_INTERVAL_S (the operator's progress deadline)."""
+        self._phase = phase
+        now = time.monotonic()
+        if self.status is None or (
+            phase == self._written_phase
+            and now - self._last_status < heartbeat.HEARTBEAT_INTERVAL_S
+        ):
+            return
+        self._last_status, self._written_phase = now, phase
+        self.status.patch({"phase": phase, "step": self._step, "updatedAt": _now()})
 
     def _progress(self, step: int, metrics: dict[str, float]) -> dict[str, Any]:
         out: dict[str, Any] = {"step": step, "totalSteps": self.total, "updatedAt": _now()}
+        out["phase"] = self._phase
         names = {
             "loss": "loss",
             "learning_rate": "learningRate",
