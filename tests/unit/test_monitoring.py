@@ -188,7 +188,7 @@ def test_promtool_check_rules(tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_groups(render())))
     proc = promtool("check", "rules", "--lint=all", "--lint-fatal", "rules.yaml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 4 rules found" in proc.stdout, proc.stdout
+    assert "SUCCESS: 5 rules found" in proc.stdout, proc.stdout
 
 
 def test_promtool_job_waiting_alerts(tmp_path: Path) -> None:
@@ -364,5 +364,40 @@ def test_promtool_operator_alerts(tmp_path: Path) -> None:
                 ),
             ],
         },
+    ]
+    promtool_test(tmp_path, rule_groups(render()), tests)
+
+
+def test_promtool_no_progress_alert(tmp_path: Path) -> None:
+    """A trainer that stops reporting: the operator's restart of its JobSet at 10m alerts
+    at once, for the hour after, and then no more; a fail alerts on its own. Another
+    install's (namespace) never alerts here."""
+    exceeded = "posttrain_progress_deadline_exceeded_total"
+    series = [
+        {"series": f'{exceeded}{{action="restart",{OPERATOR}}}', "values": "0x9 1x100"},
+        {"series": f'{exceeded}{{action="fail",{OPERATOR}}}', "values": "0x100"},
+        {"series": f'{exceeded}{{action="fail",namespace="other"}}', "values": "0x9 1x100"},
+    ]
+    restarted = {
+        "exp_labels": {"severity": "warning", "action": "restart"},
+        "exp_annotations": {
+            "summary": "a PostTrainJob's trainer stopped making progress",
+            "description": "A PostTrainJob's trainer reported no progress within its"
+            " spec.scheduling.progressDeadlineSeconds in the last hour (a hung collective or"
+            " host), and the operator did: restart. kubectl get events -A --field-selector"
+            " reason=ProgressDeadlineExceeded names the job, since when and its last step.",
+        },
+    }
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                alerts_at(9, "PostTrainJobNoProgress"),
+                alerts_at(10, "PostTrainJobNoProgress", restarted),
+                alerts_at(60, "PostTrainJobNoProgress", restarted),
+                alerts_at(75, "PostTrainJobNoProgress"),
+            ],
+        }
     ]
     promtool_test(tmp_path, rule_groups(render()), tests)
