@@ -426,3 +426,28 @@ def test_a_job_not_running_has_no_deadline():
     actions = decide(ptj, Observed(js, (waiting,)), "2026-01-02T12:00:00Z")
     assert actions.restart is None and actions.check_in is None
     assert actions.status["phase"] == "Pending"
+
+
+def test_queue_later_keeps_the_earlier_time():
+    """A job's progress deadline moves earlier when its trainer starts steps (a compile's
+    longer deadline ends): `later` runs it at the earlier of two times, once."""
+
+    async def scenario():
+        runs = []
+
+        async def work(key):
+            runs.append(asyncio.get_running_loop().time())
+
+        queue = WorkQueue(work, workers=1)
+        queue.start()
+        start = asyncio.get_running_loop().time()
+        queue.later("j", 5.0)
+        queue.later("j", 0.05)  # earlier: replaces it
+        queue.later("j", 1.0)  # later than the one set: ignored
+        await asyncio.sleep(0.2)
+        assert len(runs) == 1 and 0.05 <= runs[0] - start < 0.2
+        await asyncio.sleep(1.0)
+        assert len(runs) == 1  # nothing left from the others
+        await queue.stop()
+
+    asyncio.run(scenario())
