@@ -9,7 +9,7 @@ the watchdog prints one line saying since when and where it stood, then the stac
 every thread (faulthandler), and exits with HUNG_EXIT_CODE (a crash: the JobSet
 restarts the job, counted against maxRestarts). Should the watchdog thread itself not
 run (a call that holds the GIL), faulthandler's own timer, re-armed by each of its
-rounds, dumps the stacks and exits BACKSTOP_S later.
+rounds, dumps the stacks and exits (with code 1) BACKSTOP_S later.
 """
 
 from __future__ import annotations
