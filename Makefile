@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps tools torch-venv lint format test demo crd clean
+.PHONY: setup system-deps tools torch-venv mlflow-server-venv lint format test demo crd clean
 FAKE_GCS_VERSION := v1.56.1
 PROMTOOL_VERSION := v0.316.0
 
@@ -42,6 +42,21 @@ tools: setup
 # torch, transformers and peft in a venv of their own, apart from the project's (which has
 # no torch): the test that loads an exported adapter with peft uses it, and so does
 # scripts/make_hf_fixtures.py. About 5.6 GiB; a second run with the same pins is a no-op.
+# The MLflow tracking server the spec.tracking tests start (tests/trainer/test_tracking.py):
+# the full mlflow package, whose server pins (pyarrow, cryptography) the dev venv does not
+# share; the trainer reports to it with the client in .venv (posttrain[mlflow]).
+MLFLOW_SERVER_VENV := .cache/mlflow-server-venv
+MLFLOW_SERVER_PINS := mlflow==3.17.2
+mlflow-server-venv:
+	@if test -x $(MLFLOW_SERVER_VENV)/bin/mlflow && test "$$(cat $(MLFLOW_SERVER_VENV)/.installed 2>/dev/null)" = "$(MLFLOW_SERVER_PINS)"; then \
+	  echo "$(MLFLOW_SERVER_VENV): up to date"; \
+	else \
+	  set -ex; \
+	  test -x $(MLFLOW_SERVER_VENV)/bin/python || $(PY) -m venv $(MLFLOW_SERVER_VENV); \
+	  $(MLFLOW_SERVER_VENV)/bin/pip install -q $(MLFLOW_SERVER_PINS); \
+	  echo "$(MLFLOW_SERVER_PINS)" > $(MLFLOW_SERVER_VENV)/.installed; \
+	fi
+
 TORCH_VENV := .cache/torch-venv
 TORCH_PINS := torch==2.15.0 transformers==5.12.1 peft==0.21.2 safetensors==0.8.0 numpy==2.4.6
 torch-venv:
@@ -69,7 +84,7 @@ crd: setup
 	cp crds/posttrain.dev_posttrainjobs.yaml manifests/base/
 
 # Every tier: lint, unit, trainer, integration, e2e. Prints each phase's time.
-test: setup system-deps tools torch-venv
+test: setup system-deps tools torch-venv mlflow-server-venv
 	bash scripts/test.sh
 
 # The quickstart: LoRA SFT of SmolLM2-135M-Instruct on CPU.

@@ -9,6 +9,7 @@ The same function runs in a JobSet pod (`posttrain train`) and on a laptop
     goodput.json          where the wall time of every attempt went (see `goodput`)
     summary.json          written last: the finished step, final loss, export location
                           and goodput
+    tracking.json         spec.tracking's run ids, so that a restart continues its runs
 
 A run whose summary.json says it reached spec.training.steps, and whose export is still
 there, is finished: running it again trains and writes nothing (see `finished_run`).
@@ -44,6 +45,7 @@ from posttrain.trainer import (
     run_schedule,
     sft,
     storage,
+    tracking,
 )
 from posttrain.trainer import mesh as mesh_lib
 from posttrain.trainer.checkpoint import Checkpoints
@@ -113,6 +115,7 @@ def train(
     started = (time.monotonic(), time.time())  # goodput's startup begins here
     spec = job.spec
     check_gcs_locations(spec)
+    tracking.check(spec)  # a tracker's client library: one line naming its extra
     if (done := finished_run(spec)) is not None:
         return done
     run_schedule.check_and_record(spec, jax.process_index() == 0)  # not another run's
@@ -125,6 +128,9 @@ def train(
     run = setup_run(job, process, show_bar=show_bar, stop=stop, started=started)
     try:
         return technique(run)
+    except BaseException:
+        tracking.close_open("Failed")
+        raise
     finally:  # a gs:// model's copy, a remote output's local side: nothing left in /tmp
         shutil.rmtree(run.scratch, ignore_errors=True)
 
@@ -308,6 +314,7 @@ def run_steps(
     ledger.resume(result.step, started[1])
 
     tensorboard = OutputDir(spec.output.uri, "tensorboard", scratch)
+    tracker = tracking.start(job, is_main, scratch)
     total = spec.training.steps
     progress = Progress(
         total,
@@ -317,6 +324,7 @@ def run_steps(
         StatusWriter.from_env() if is_main else None,
         show_bar,
         goodput=ledger,
+        tracker=tracker,
     )
     best = None
     if evaluation is not None:
@@ -418,6 +426,9 @@ def run_steps(
     tensorboard.sync()
     if not result.stopped_early and is_main:
         _write_summary(spec, result, metrics)
+    phase = "Stopped" if result.stopped_early else "Succeeded"
+    kept = {"goodput": result.goodput, "export_dir": result.export_dir, "scratch": scratch}
+    tracking.finish(tracker, phase, result.step, **kept)
     return result
 
 

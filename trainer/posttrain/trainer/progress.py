@@ -21,6 +21,7 @@ from posttrain.trainer import watchdog
 
 if TYPE_CHECKING:
     from posttrain.trainer.goodput import Ledger
+    from posttrain.trainer.tracking import Tracker
 
 log = logging.getLogger("posttrain.progress")
 
@@ -116,8 +117,10 @@ class Progress:
         status_interval_s: float = 10.0,
         goodput: Ledger | None = None,
         columns: int | None = None,
+        tracker: Tracker | None = None,
     ):
-        """`columns`: the bar's width (default: the terminal's, following resizes)."""
+        """`columns`: the bar's width (default: the terminal's, following resizes);
+        `tracker` (spec.tracking) gets every TensorBoard scalar and is in the status."""
         self.total, self.is_main = total_steps, is_main
         self.status = status if is_main else None
         self.status_interval_s = status_interval_s
@@ -126,6 +129,7 @@ class Progress:
         self.last_checkpoint_step: int | None = None
         self.last_eval: dict[str, Any] = {}
         self.goodput = goodput
+        self.tracker = tracker
         self.writer = None
         self.bar = None
         self._redirect: Any = None
@@ -138,6 +142,8 @@ class Progress:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir, flush_secs=10)
+            if tracker is not None:
+                self.writer = tracker.tee(self.writer)
         # A bar redraws itself in place, which only a terminal shows as one line; into a
         # file or pipe the trainer logs one line per log step instead.
         self.log_lines = show_bar and not sys.stderr.isatty()
@@ -241,6 +247,8 @@ class Progress:
         if self.last_checkpoint_step is not None:
             out["lastCheckpointStep"] = self.last_checkpoint_step
         out.update(self.last_eval)
+        if self.tracker is not None and (tracking := self.tracker.status()):
+            out["tracking"] = tracking
         if self.goodput is not None and self.goodput.total() > 0:
             out.update(self.goodput.status())
         return out
