@@ -885,6 +885,27 @@ class Condition(KubeModel):
     """The spec generation this condition was set for."""
 
 
+class TrackerRun(KubeModel):
+    """The run a tracker (spec.tracking) holds for the job, as the trainer last saw it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    run_id: str | None = None
+    """The tracker's run id (kept across restarts)."""
+
+    url: str | None = None
+    """A link to the run in the tracker's UI."""
+
+    failures: int | None = None
+    """Reports that failed (retried until the run ends; training never waits for them)."""
+
+    error: str | None = None
+    """The first failure."""
+
+    dropped: int | None = None
+    """Metric reports dropped while the tracker was down (the buffer is bounded)."""
+
+
 class Progress(KubeModel):
     """Training progress, written by the trainer (process 0) only."""
 
@@ -945,6 +966,9 @@ class Progress(KubeModel):
 
     updated_at: str | None = None
     """When the trainer last reported (RFC 3339)."""
+
+    tracking: dict[str, TrackerRun] | None = None
+    """spec.tracking: per tracker (mlflow, wandb), its run and the reports that failed."""
 
 
 class Outputs(KubeModel):

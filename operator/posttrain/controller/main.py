@@ -4,7 +4,8 @@ replica, and leader election deciding which one acts.
 Settings come from flags, with environment defaults for the chart:
 POSTTRAIN_TRAINER_IMAGE_CPU / _TPU / _GPU (the trainer image per accelerator kind),
 POSTTRAIN_PATHWAYS_SERVER_IMAGE, POSTTRAIN_PATHWAYS_PROXY_IMAGE,
-POSTTRAIN_PATHWAYS_HEAD_NODE_POOL, POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
+POSTTRAIN_PATHWAYS_HEAD_NODE_POOL, POSTTRAIN_DEFAULT_QUEUE, POSTTRAIN_MLFLOW_TRACKING_URI (the
+MLflow tracking server of jobs that name none), POSTTRAIN_LEASE_NAMESPACE, POD_NAME.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _render_config() -> RenderConfig:
         "default_queue": "POSTTRAIN_DEFAULT_QUEUE",
         "trainer_cluster_role": "POSTTRAIN_TRAINER_CLUSTER_ROLE",
         "allowed_function_modules": "POSTTRAIN_ALLOWED_FUNCTION_MODULES",
+        "mlflow_tracking_uri": "POSTTRAIN_MLFLOW_TRACKING_URI",
     }
     return dataclasses.replace(
         defaults, **{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}

@@ -56,6 +56,8 @@ class RenderConfig:
     # Module prefixes reward functions may come from (comma-separated; empty: any but
     # Python's own), given to every trainer pod: posttrain.api.functions.
     allowed_function_modules: str = ""
+    # The MLflow tracking server of jobs whose spec.tracking.mlflow sets no trackingUri.
+    mlflow_tracking_uri: str = ""
 
     def trainer_image(self, kind: str) -> str:
         """The default trainer image of an accelerator kind: cpu, tpu or gpu."""
@@ -154,6 +156,37 @@ def _trainer_env(job: PostTrainJob, placement: Placement, pathways_head: str | N
     return env
 
 
+def _secret_env(name: str, ref: Any) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+# What spec.tracking's Secrets become in the trainer: the variables each client reads.
+MLFLOW_SECRET_ENV = {
+    "token_secret": "MLFLOW_TRACKING_TOKEN",
+    "username_secret": "MLFLOW_TRACKING_USERNAME",
+    "password_secret": "MLFLOW_TRACKING_PASSWORD",
+}
+MLFLOW_DEFAULT_URI_ENV = "POSTTRAIN_MLFLOW_TRACKING_URI"  # trainer.tracking.DEFAULT_URI_ENV
+
+
+def _tracking_env(job: PostTrainJob, config: RenderConfig) -> list[dict[str, Any]]:
+    """spec.tracking: its Secrets by reference (never a value in the JobSet) and the
+    cluster's MLflow tracking URI for a job that sets none."""
+    tracking = job.spec.tracking
+    env: list[dict[str, Any]] = []
+    if tracking is None:
+        return env
+    if (mlflow := tracking.mlflow) is not None:
+        if not mlflow.tracking_uri and config.mlflow_tracking_uri:
+            env.append({"name": MLFLOW_DEFAULT_URI_ENV, "value": config.mlflow_tracking_uri})
+        for field, name in MLFLOW_SECRET_ENV.items():
+            if (ref := getattr(mlflow, field)) is not None:
+                env.append(_secret_env(name, ref))
+    if tracking.wandb is not None and tracking.wandb.api_key_secret is not None:
+        env.append(_secret_env("WANDB_API_KEY", tracking.wandb.api_key_secret))
+    return env
+
+
 def _megascale_env(slices: int, coordinator: str) -> list[dict[str, Any]]:
     return [
         {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
@@ -196,6 +229,7 @@ def _trainer_container(
                 if config.allowed_function_modules
                 else []
             ),
+            *_tracking_env(job, config),
         ],
         "ports": [{"name": "jax", "containerPort": names.JAX_COORDINATOR_PORT}],
         "volumeMounts": mounts,
