@@ -104,6 +104,9 @@ def test_mlflow_run_has_the_job_and_a_restart_continues_it(
     experiment = client.get_experiment_by_name("tiny-sft")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1  # the restart continued the run
+    # As the user guide finds it.
+    found = client.search_runs([experiment.experiment_id], "tags.`posttrain.name` = 'tiny'")
+    assert [r.info.run_id for r in found] == [runs[0].info.run_id]
     run = runs[0]
     assert run.info.run_name == "team-a-tiny" and run.info.status == "FINISHED"
     state = json.loads((out / tracking.STATE_FILE).read_text())
