@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,46 @@ from tests.cluster import Cluster
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+
+
+class PhaseWatch:
+    """Every status.progress.phase the job's status passes through, in order, from a
+    watch of the job (resumed at its resourceVersion: no write is missed)."""
+
+    def __init__(self, plane: Cluster, namespace: str, name: str):
+        from kubernetes import client, config
+
+        self.api = config.new_client_from_config(config_file=str(plane.kubeconfig))
+        self.custom = client.CustomObjectsApi(self.api)
+        self.namespace, self.name = namespace, name
+        self.phases: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        version = None
+        while not self.done.is_set():
+            stream = watch.Watch().stream(
+                self.custom.list_namespaced_custom_object, "posttrain.dev", "v1alpha1",
+                self.namespace, "posttrainjobs", field_selector=f"metadata.name={self.name}",
+                timeout_seconds=2, **({"resource_version": version} if version else {}),
+            )  # fmt: skip
+            for event in stream:
+                body = event["object"]
+                version = body["metadata"]["resourceVersion"]
+                phase = ((body.get("status") or {}).get("progress") or {}).get("phase")
+                if phase and (not self.phases or self.phases[-1] != phase):
+                    self.phases.append(phase)
+
+    def stop(self) -> list[str]:
+        time.sleep(3)  # the last writes reach the watch
+        self.done.set()
+        self.thread.join(10)
+        self.api.close()
+        return self.phases
 
 
 @pytest.fixture
@@ -78,13 +120,17 @@ def test_trainer_writes_progress(
         "POSTTRAIN_JOB_NAMESPACE": namespace,
         "JAX_PLATFORMS": "cpu",
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", "run", str(job_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    phases = PhaseWatch(apiserver, namespace, "progress")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "posttrain.cli", "run", str(job_file)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        seen = phases.stop()
     assert proc.returncode == 0, proc.stderr
     assert "failed" not in proc.stderr.lower(), proc.stderr
     status = apiserver.get("ptj", "progress", namespace)["status"]
@@ -92,9 +138,13 @@ def test_trainer_writes_progress(
     assert progress["step"] == 6 and progress["totalSteps"] == 6
     assert progress["lastCheckpointStep"] == 6
     assert progress["loss"] > 0 and progress["tokensPerSecond"] > 0 and "updatedAt" in progress
-    # The heartbeat (spec.scheduling.progressDeadlineSeconds): its last phase, kept by the
-    # trainer status policy and the CRD's schema.
+    # The heartbeat (spec.scheduling.progressDeadlineSeconds): each phase as it began,
+    # kept by the trainer status policy and the CRD's schema.
     assert progress["phase"] == "exporting"
+    assert seen == [
+        "loading", "compiling", "training", "checkpointing",  # step 3
+        "training", "evaluating", "checkpointing", "exporting",  # step 6
+    ], seen  # fmt: skip
     # The held-out evaluation at the end (spec.eval), kept by the API server as written.
     assert progress["evalStep"] == 6 and progress["evalLoss"] > 0
     assert set(progress["evalMetrics"]) == {"loss", "perplexity"}

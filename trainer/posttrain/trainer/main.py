@@ -73,10 +73,14 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     # run_command checked them before JAX loaded).
     if in_pod and (code := _preflight_exit(job, None, "spec.output.uri")) is not None:
         return code
+    from posttrain.api import heartbeat
     from posttrain.trainer.loop import train
+    from posttrain.trainer.progress import report_phase
     from posttrain.trainer.signals import Interrupted, StopFlag, exit_code, stopped_line
     from posttrain.trainer.watchdog import watching
 
+    if info.process_id == 0:  # the operator's progress deadline: the trainer started
+        report_phase(heartbeat.LOADING)
     stop = StopFlag()
     stop.install()
     try:

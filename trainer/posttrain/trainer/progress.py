@@ -295,3 +295,10 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self._redirect.__exit__(None, None, None)
+
+
+def report_phase(phase: str) -> None:
+    """The heartbeat's first word, from process 0 before a Progress exists (loading): in
+    a pod, status.progress.phase with updatedAt; nothing locally."""
+    if (status := StatusWriter.from_env()) is not None:
+        status.patch({"phase": phase, "updatedAt": _now()})
