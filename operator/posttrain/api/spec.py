@@ -915,8 +915,9 @@ class Progress(KubeModel):
     """Last completed optimizer step."""
 
     phase: str | None = None
-    """What the trainer is doing: compiling, training, evaluating, checkpointing or
-    exporting (its heartbeat, with updatedAt)."""
+    """What the trainer is doing: loading, compiling, training, evaluating,
+    checkpointing or exporting (its heartbeat, with updatedAt; see
+    spec.scheduling.progressDeadlineSeconds)."""
 
     total_steps: int | None = None
     """Steps the job will run."""
