@@ -183,8 +183,15 @@ class MlflowBackend:
 
     def open(self, state: dict[str, Any], job_tags: dict[str, str]) -> int:
         """Create (or continue) the run; returns the last step it holds (-1: none)."""
+        run = None
         if state.get("runId"):
-            run = self._call(self.client.get_run, state["runId"])
+            try:
+                run = self._call(self.client.get_run, state["runId"])
+            except Permanent as e:  # deleted on the server: a new run
+                log.warning(
+                    "tracking: mlflow run %s is gone (%s); starting a new one", state["runId"], e
+                )
+        if run is not None:
             self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
             self._call(self.client.update_run, self.run_id, status="RUNNING")
             last = -1
@@ -378,7 +385,7 @@ class _Worker(threading.Thread):
             b.finish(payload)
 
     def _next(self) -> tuple[str, Any, int]:
-        """The next report; consecutive metrics go together (up to 200 steps)."""
+        """The next report (under the lock); consecutive metrics go together (up to 200)."""
         kind, payload = self.queue[0]
         if kind != "metrics":
             return kind, payload, 1
@@ -403,12 +410,13 @@ class _Worker(threading.Thread):
             try:
                 if not self.opened:
                     last = self.backend.open(self.state, self.job_tags)
-                    self.skip_through = max(self.skip_through, last)
+                    self.skip_through = last  # the tracker's own (a new run: -1)
                     self.opened = True
                     self._save(
                         self.backend.name, {**self.backend.state(), "reportedStep": self.reported}
                     )
-                kind, payload, n = self._next()
+                with self.cond:
+                    kind, payload, n = self._next()
                 try:
                     self._send(kind, payload)
                 except Permanent as e:
