@@ -292,13 +292,20 @@ def test_pip_installs_are_pinned_and_name_real_extras(image: str) -> None:
             else:
                 name = canonicalize_name(Requirement(spec.replace("$", "")).name)
                 assert name in read_constraints(ROOT / constraints), f"{spec} is not pinned"
-    assert extras_installed == {image}, f"{image} image installs .[{image}] only"
+    wanted = {image} | IMAGE_EXTRAS.get(image, set())
+    assert extras_installed == wanted, f"{image} image installs .[{','.join(sorted(wanted))}]"
+
+
+# What an image installs beside its own extra: the trainer, the experiment trackers'
+# clients (spec.tracking).
+IMAGE_EXTRAS = {"trainer": {"mlflow", "wandb"}}
 
 
 def test_constraints_pin_every_requirement(image: str) -> None:
     pins = read_constraints(ROOT / "docker" / f"constraints-{image}.txt")
     assert "pip" in pins
-    for req in extra_requirements(image):
+    extras = [image, *sorted(IMAGE_EXTRAS.get(image, set()))]
+    for req in [r for extra in extras for r in extra_requirements(extra)]:
         name = canonicalize_name(req.name)
         assert name in pins, f"constraints-{image}.txt does not pin {req.name}"
         assert req.specifier.contains(pins[name], prereleases=True), (
