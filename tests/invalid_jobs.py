@@ -504,4 +504,52 @@ CASES: list[Case] = [
         "spec.eval.samples",
         "do not see images",
     ),
+    Case("tracking-empty", _set("spec.tracking", {}), "spec.tracking", "mlflow, wandb or both"),
+    Case(
+        "tracking-mlflow-username-without-password",
+        _set("spec.tracking", {"mlflow": {"usernameSecret": {"name": "basic", "key": "u"}}}),
+        "spec.tracking.mlflow",
+        "both usernameSecret and passwordSecret",
+    ),
+    Case(
+        "tracking-mlflow-token-and-basic-auth",
+        _set(
+            "spec.tracking",
+            {
+                "mlflow": {
+                    "tokenSecret": {"name": "t"},
+                    "usernameSecret": {"name": "b", "key": "u"},
+                    "passwordSecret": {"name": "b", "key": "p"},
+                }
+            },
+        ),
+        "spec.tracking.mlflow",
+        "not both",
+    ),
+    Case(
+        "tracking-uri-with-credentials",
+        _set("spec.tracking", {"mlflow": {"trackingUri": "https://u:p@mlflow.example.com"}}),
+        "spec.tracking.mlflow.trackingUri",
+        "no credentials",
+        server=False,
+    ),
+    Case(
+        "tracking-run-name-unknown-field",
+        _set("spec.tracking", {"wandb": {"project": "p", "runName": "{pod}"}}),
+        "spec.tracking.wandb.runName",
+        "not a run name field",
+        server=False,
+    ),
+    Case(
+        "tracking-wandb-bad-mode",
+        _set("spec.tracking", {"wandb": {"project": "p", "mode": "sometimes"}}),
+        "spec.tracking.wandb.mode",
+        "offline",
+    ),
+    Case(
+        "tracking-wandb-without-project",
+        _set("spec.tracking", {"wandb": {"mode": "offline"}}),
+        "spec.tracking.wandb.project",
+        "required",
+    ),
 ]
