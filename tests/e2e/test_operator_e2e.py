@@ -799,6 +799,7 @@ def test_trainer_that_stops_reporting_is_restarted_then_failed(
     JobSet (counted against maxRestarts), and with no restart left fails the job, saying
     since when and where it stood; its JobSet stops."""
     name = "hung"
+    watch = PhaseWatch(cluster, namespace, name)
     tpu_job(cluster, namespace, name, "posttrain-trainer:long",
             maxRestarts=1, progressDeadlineSeconds=3)  # fmt: skip
     wait_phase(cluster, namespace, name, "Running", timeout=90, describe="jobsets,jobs,pods")
@@ -827,5 +828,7 @@ def test_trainer_that_stops_reporting_is_restarted_then_failed(
     assert st["message"].endswith("no restarts left (spec.scheduling.maxRestarts 1)"), st
     assert "ProgressDeadlineExceeded" in reasons(cluster, namespace, name)
     wait_stopped(cluster, namespace, name)
+    seen = watch.stop()
+    assert is_subsequence(["Running", "Restarting", "Running", "Failed"], seen), seen
     assert operator.metric("posttrain_progress_deadline_exceeded_total", 'action="restart"') == 1
     assert operator.metric("posttrain_progress_deadline_exceeded_total", 'action="fail"') == 1

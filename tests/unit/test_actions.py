@@ -397,7 +397,12 @@ def test_progress_deadline(case, progress, restarts, scheduling, now, pods, outc
         assert actions.restart is not None and actions.restart.type == "Warning"
         assert actions.restart.reason == "ProgressDeadlineExceeded"
         assert expected in actions.restart.message
-        assert actions.status is None and not actions.jobset_patch
+        # Restarting, saying why, until the JobSet controller has restarted it.
+        assert actions.status["phase"] == "Restarting"
+        assert actions.status["message"] == actions.restart.message
+        running = {c["type"]: c for c in actions.status["conditions"]}["Running"]
+        assert running["reason"] == "ProgressDeadlineExceeded"
+        assert not actions.events and not actions.jobset_patch
     else:
         assert actions.restart is None
         assert actions.status["phase"] == "Failed" and actions.status["restarts"] == restarts
@@ -414,9 +419,12 @@ def test_progress_deadline(case, progress, restarts, scheduling, now, pods, outc
 def test_a_stalled_job_is_restarted_once_per_attempt():
     """Until the JobSet controller restarts it, later reconciles do not end it again."""
     ptj, js = running_job(beat("2026-01-01T11:00:00Z"), 0, [pod()])
+    first = decide(ptj, Observed(js, (pod(),)), "2026-01-01T12:00:00Z")
+    ptj["status"] |= first.status  # as written: Restarting, with why
     observed = Observed(js, (pod(),), restart_requested=True)
-    actions = decide(ptj, observed, "2026-01-01T12:00:00Z")
+    actions = decide(ptj, observed, "2026-01-01T12:00:10Z")
     assert actions.restart is None and actions.status is None and actions.check_in is None
+    assert not actions.events and not actions.jobset_patch
 
 
 def test_a_job_not_running_has_no_deadline():

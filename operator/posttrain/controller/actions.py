@@ -170,19 +170,23 @@ def stalled(
 ) -> Actions:
     """A running job whose trainer stopped reporting (`deadline.check`): its JobSet
     restarted while spec.scheduling.maxRestarts allows (the JobSet's own restarts count
-    too), else the job failed with `why` and its JobSet stopped."""
+    too), Restarting with `why` until the JobSet controller has restarted it; else the
+    job failed with `why` and its JobSet stopped."""
     spec, previous = job.get("spec") or {}, job.get("status") or {}
     restarts = int(patch.get("restarts") or 0)
     allowed = int((spec.get("scheduling") or {}).get("maxRestarts", 3))
+    generation = job["metadata"].get("generation")
     if restarts < allowed:
-        actions = status_write(previous, patch)
-        if not observed.restart_requested:
-            message = f"{why}: restarting the JobSet (restart {restarts + 1} of {allowed})"
-            actions.restart = Event("Warning", deadline.REASON, message)
-        return actions
+        if observed.restart_requested:  # its Jobs are ending: the status says so already
+            return Actions()
+        message = f"{why}: restarting the JobSet (restart {restarts + 1} of {allowed})"
+        obs = Observation(Phase.restarting, deadline.REASON, message, restarts)
+        written = status_write(previous, observation_patch(obs, spec, previous, now, generation))
+        # One Event, for the restart (the status's own would say the same).
+        return Actions(status=written.status, restart=Event("Warning", deadline.REASON, message))
     message = f"{why}; no restarts left (spec.scheduling.maxRestarts {allowed})"
     obs = Observation(Phase.failed, deadline.REASON, message, restarts)
-    failed = observation_patch(obs, spec, previous, now, job["metadata"].get("generation"))
+    failed = observation_patch(obs, spec, previous, now, generation)
     written = status_write(previous, failed)
     stop = stop_failed(Phase.failed, observed.jobset, observed.workload)
     return replace(stop, status=written.status, events=written.events)

@@ -240,7 +240,8 @@ def apply(
         metrics.PROGRESS_DEADLINE.labels("restart").inc()
         result.events.append(actions.restart)
     _write_status(job, actions, result)
-    if actions.status is not None and status_reason(actions.status) == deadline.REASON:
+    written = actions.status or {}
+    if written.get("phase") == Phase.failed and status_reason(written) == deadline.REASON:
         metrics.PROGRESS_DEADLINE.labels("fail").inc()
     result.check_in = actions.check_in
 
