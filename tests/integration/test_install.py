@@ -331,6 +331,7 @@ ALLOWED = [
     ("watch", "pods", "-"),
     ("list", "jobs.batch", "-"),
     ("watch", "jobs.batch", "-"),
+    ("patch", "jobs.batch", "other"),  # a job whose trainer stopped reporting: end its Jobs
     ("list", "workloads.kueue.x-k8s.io", "-"),
     ("watch", "workloads.kueue.x-k8s.io", "-"),
     ("patch", "workloads.kueue.x-k8s.io", "other"),
@@ -354,6 +355,8 @@ DENIED = [
     ("patch", "pods", "other"),
     ("delete", "pods", "other"),
     ("create", "jobs.batch", "other"),
+    ("delete", "jobs.batch", "other"),
+    ("update", "jobs.batch/status", "other"),
     ("update", "pods/status", "other"),
     ("delete", "workloads.kueue.x-k8s.io", "other"),
     ("update", "workloads.kueue.x-k8s.io/status", "other"),
