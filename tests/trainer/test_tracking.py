@@ -202,6 +202,36 @@ def test_a_stopped_server_loses_no_training_and_gets_the_reports_later(
             server.start()
 
 
+def test_a_tracker_down_all_along_keeps_a_bounded_buffer(model_dir, tmp_path, monkeypatch):
+    """Nothing listens at the tracking URI: reporting returns at once, the buffer keeps
+    at most MAX_QUEUED reports (the oldest metrics go, counted), and the end waits no
+    longer than POSTTRAIN_TRACKING_FLUSH_SECONDS."""
+    import socket
+    import time
+
+    from tiny_job import validated
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(tracking, "MAX_QUEUED", 8)
+    monkeypatch.setenv(tracking.FLUSH_ENV, "1")
+    out = tmp_path / "out"
+    spec = {"mlflow": {"trackingUri": f"http://127.0.0.1:{port}"}}
+    tracker = tracking.start(validated(job(model_dir, out, spec)), True, tmp_path)
+    started = time.monotonic()
+    for step in range(1, 101):
+        tracker.scalars(step, {"train/loss": 1.0 / step, "train/learning_rate": 0.01})
+    assert time.monotonic() - started < 1.0  # the caller never waits for the tracker
+    tracking.finish(tracker, "Succeeded", 100)
+    assert time.monotonic() - started < 10
+    (status,) = tracker.status().values()
+    assert status["failures"] > 0 and status["dropped"] >= 100 - 8, status
+    assert "Connection refused" in status["error"] or "Max retries" in status["error"], status
+    assert "runId" not in status and "url" not in status
+    assert not (out / tracking.STATE_FILE).exists()  # no run was made
+
+
 def test_a_tracker_without_its_client_library_is_refused_naming_the_extra(
     model_dir, tmp_path, monkeypatch
 ):
@@ -229,9 +259,21 @@ def test_wandb_offline_run_files_hold_the_job(model_dir, tmp_path, monkeypatch):
         steps=4,
         every=2,
     )
+    crash_after(monkeypatch, {3})
+    with pytest.raises(RuntimeError, match="after step 3"):
+        run_job(doc)  # checkpoint at 2: step 3 is redone, and not reported again
     result = run_job(doc)
-    assert result.step == 4
-    (path,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    assert result.step == 4 and result.resumed_from == 2
+    first, path = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert first.name == path.name  # the same run id: `wandb sync` appends to one run
+    steps = [
+        json.loads(i.value_json)
+        for r in wandb_records(first) + wandb_records(path)
+        if r.WhichOneof("record_type") == "history"
+        for i in r.history.item
+        if i.key == "_step" or list(i.nested_key) == ["_step"]
+    ]
+    assert sorted(steps) == [1, 2, 3, 4]
     records = wandb_records(path)
     kinds = [r.WhichOneof("record_type") for r in records]
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
@@ -250,8 +292,8 @@ def test_wandb_offline_run_files_hold_the_job(model_dir, tmp_path, monkeypatch):
                 if not key.startswith("_"):
                     history.setdefault(key, {})[items["_step"]] = value
     tb = scalars(out / "tensorboard")
-    assert history["train/loss"] == pytest.approx(tb["train/loss"], rel=1e-6)
-    assert sorted(history["train/loss"]) == [1, 2, 3, 4]
+    assert sorted(history["train/loss"]) == [4]  # this attempt's; 1 to 3 in the first
+    assert history["train/loss"][4] == pytest.approx(tb["train/loss"][4], rel=1e-6)
     assert "goodput/goodput" in history
     summary = {}
     for r in records:
