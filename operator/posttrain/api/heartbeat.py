@@ -14,6 +14,7 @@ from __future__ import annotations
 DEFAULT_DEADLINE_S = 1800
 HEARTBEAT_INTERVAL_S = 30.0
 FIRST_STEP_FACTOR = 3
+OPERATOR_GRACE_S = 60
 
 LOADING = "loading"
 COMPILING = "compiling"
@@ -34,6 +35,13 @@ def phase_of(doing: str | None) -> str:
         return TRAINING
     first = doing.split(maxsplit=1)[0].lower()
     return first if first in PHASES else TRAINING
+
+
+def operator_grace_seconds(deadline: int) -> int:
+    """How much later than the trainer's watchdog the operator acts: the watchdog's
+    exit, with the stack of every thread, comes first where the trainer can still exit
+    (and the trainer writes its heartbeat at most HEARTBEAT_INTERVAL_S apart)."""
+    return min(OPERATOR_GRACE_S, deadline // 10)
 
 
 def deadline_seconds(deadline: int, phase: str | None) -> int | None:

@@ -6,6 +6,8 @@ restarts the JobSet or fails the job on its verdict.
 
 A start of the trainer (the JobSet's current attempt) counts from its pods' newest
 startTime; a report from an earlier start (updatedAt before it) does not count for it.
+The operator acts `heartbeat.operator_grace_seconds` after the deadline, so that a
+trainer that can still exit does so first, with the stack of every thread in its log.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def check(
         last = f"last: step {step}, {phase}" if step is not None else f"last: {phase}"
     allowed = heartbeat.deadline_seconds(seconds, phase)
     assert allowed is not None  # seconds > 0
-    left = allowed - (now_at - since).total_seconds()
+    grace = heartbeat.operator_grace_seconds(seconds)  # the watchdog's exit first
+    left = allowed + grace - (now_at - since).total_seconds()
     if left > 0:
         return Verdict(check_in=left)
     return Verdict(
