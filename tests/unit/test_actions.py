@@ -462,3 +462,23 @@ def test_queue_later_keeps_the_earlier_time():
         await queue.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_trainers_labels_name_the_heartbeat_phases():
+    from posttrain.api import heartbeat
+    from posttrain.api.spec import SchedulingSpec
+
+    assert SchedulingSpec().progress_deadline_seconds == heartbeat.DEFAULT_DEADLINE_S == 1800
+    labels = {
+        "compiling and running step 1": "compiling",
+        "evaluating step 20": "evaluating",
+        "checkpointing step 20": "checkpointing",
+        "exporting": "exporting",
+        None: "training",
+        "something else": "training",
+    }
+    assert {k: heartbeat.phase_of(k) for k in labels} == labels
+    assert heartbeat.deadline_seconds(600, "training") == 600
+    assert heartbeat.deadline_seconds(600, "compiling") == 1800
+    assert heartbeat.deadline_seconds(600, None) == 1800  # nothing reported since start
+    assert heartbeat.deadline_seconds(0, "training") is None
