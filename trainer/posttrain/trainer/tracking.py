@@ -286,8 +286,14 @@ class WandbBackend:
             config=flatten(self.job.spec.to_wire()),
             tags=[f"{k.removeprefix('posttrain.')}:{v}"[:64] for k, v in job_tags.items()],
             reinit="create_new",
+            # init_timeout: an unreachable W&B fails this try within it (then retried),
+            # and holds the process's exit no longer (W&B's default is 90 s).
             settings=self.wandb.Settings(
-                console="off", silent=True, x_disable_stats=True, x_disable_machine_info=True
+                console="off",
+                silent=True,
+                x_disable_stats=True,
+                x_disable_machine_info=True,
+                init_timeout=15,
             ),
         )
         return int(state.get("reportedStep", -1))
