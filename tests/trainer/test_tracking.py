@@ -181,7 +181,7 @@ def test_a_stopped_server_loses_no_training_and_gets_the_reports_later(
         statuses = Statuses(monkeypatch)
         caplog.set_level(logging.INFO)
         out = tmp_path / "out"
-        spec = {"mlflow": {"trackingUri": server.url, "experiment": "outage"}}
+        spec = {"mlflow": {"trackingUri": server.url, "experiment": "outage"}, "logWeights": True}
         result = run_job(job(model_dir, out, spec))
         assert result.step == 4 and not result.stopped_early
         assert (out / "hf" / "adapter_config.json").exists()
@@ -197,6 +197,9 @@ def test_a_stopped_server_loses_no_training_and_gets_the_reports_later(
         losses = client.get_metric_history(run.info.run_id, "train/loss")
         assert sorted(m.step for m in losses) == [1, 2, 3, 4]
         assert run.info.status == "FINISHED"
+        # logWeights: the whole export, weights too.
+        hf = {a.path for a in client.list_artifacts(run.info.run_id, "hf")}
+        assert {"hf/adapter_model.safetensors", "hf/adapter_config.json", "hf/README.md"} <= hf
     finally:
         if server.proc is None:  # the module's server, for the tests after this one
             server.start()
