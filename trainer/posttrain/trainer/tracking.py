@@ -576,10 +576,10 @@ class Tracker:
             if export_dir:
                 hf = staged / "hf"
                 if self.job.spec.tracking.log_weights:
-                    storage.download_dir(export_dir, hf) if storage.is_gcs(export_dir) else (
-                        shutil.copytree(export_dir, hf)
-                    )
-                    out.append((hf, "hf"))
+                    if storage.is_gcs(export_dir):  # a local export is uploaded in place
+                        out.append((storage.download_dir(export_dir, hf), "hf"))
+                    else:
+                        out.append((Path(export_dir), "hf"))
                 else:
                     hf.mkdir()
                     for name in EXPORT_ARTIFACTS:
