@@ -677,7 +677,8 @@ def _pip_resolve(install_args: list[str], cwd: Path, report: Path) -> dict[str, 
 
 
 def test_trainer_constraints_resolve_to_themselves(tmp_path: Path) -> None:
-    """Dockerfile.trainer's `pip install -c docker/constraints-trainer.txt '.[trainer]'`,
+    """Dockerfile.trainer's `pip install -c docker/constraints-trainer.txt
+    '.[trainer,mlflow,wandb]'` (the trainer and spec.tracking's clients),
     resolved without installing (pip --dry-run): it needs exactly the pinned set, so the
     image gets no unpinned package. (Installing JAX & co. here would take many minutes.)"""
     df = dockerfiles.parse_dockerfile(ROOT / "Dockerfile.trainer")
@@ -697,7 +698,7 @@ def test_trainer_constraints_resolve_to_themselves(tmp_path: Path) -> None:
                     shutil.copy2(origin, dst)
     installs = dockerfiles.pip_installs(df.stage("build"))
     (final,) = [i for i in installs if i.requirements and i.requirements[0].startswith(".")]
-    assert final.requirements == [".[trainer]"], final.argv
+    assert final.requirements == [".[trainer,mlflow,wandb]"], final.argv
     resolved = _pip_resolve(final.argv[2:], src, tmp_path / "report.json")
     resolved.pop("posttrain")
     pins = dockerfiles.read_constraints(ROOT / "docker" / "constraints-trainer.txt")
