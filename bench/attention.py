@@ -103,29 +103,18 @@ def packed(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
 
 
 def compile_only_mesh():
-    """A one-chip v5e mesh of libtpu's compile-only devices."""
-    for key, value in {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
-                       "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}.items():  # fmt: skip
-        os.environ.setdefault(key, value)
-    from jax.experimental import topologies
+    """A one-chip v5e mesh of libtpu's compile-only devices (as `posttrain estimate
+    --compile` makes them)."""
+    from posttrain import catalog
+    from posttrain.trainer import step_memory, tpu_compile
 
-    devices = topologies.get_topology_desc(
-        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
-        chips_per_host_bounds=(1, 1, 1), num_slices=1,
-    ).devices  # fmt: skip
-    return _mesh(devices[:1])
+    return step_memory.mesh_of(1, 1, tpu_compile.tpu_devices(catalog.resolve("v5e-1", None)))
 
 
-def _mesh(devices):
-    import jax
-    import numpy as np
+def one_device_mesh(devices):
+    from posttrain.trainer import step_memory
 
-    from posttrain.trainer.mesh import AXES
-
-    grid = np.empty(len(devices), dtype=object)
-    grid[:] = devices
-    return jax.sharding.Mesh(grid.reshape(1, len(devices), 1), AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 3)  # fmt: skip
+    return step_memory.mesh_of(1, len(devices), devices)
 
 
 def run(case: dict) -> dict:
@@ -141,7 +130,7 @@ def run(case: dict) -> dict:
 
     on_cpu = case.get("cpu", False)  # --cpu: the whole run on CPU (splash interpreted)
     compile_only = not on_cpu and (case["compile_only"] or jax.default_backend() != "tpu")
-    mesh = compile_only_mesh() if compile_only else _mesh(jax.devices()[:1])
+    mesh = compile_only_mesh() if compile_only else one_device_mesh(jax.devices()[:1])
     where = "compile-only v5e (no TPU: the compiler's figures only)"
     out: dict = {"model": case["model"], "kernel": case["kernel"],
                  "device": where if compile_only else jax.devices()[0].device_kind}  # fmt: skip

@@ -203,12 +203,16 @@ def run_case(args: argparse.Namespace) -> dict:
     from flax import nnx
 
     from posttrain.api.spec import TrainingSpec
-    from posttrain.trainer import models, optim, sft
+    from posttrain.trainer import models, optim, sft, step_memory
     from posttrain.trainer.policy import shard_like_params
 
     compile_only = args.compile_only
     devices = compile_only_devices(args.topology) if compile_only else jax.devices()
-    mesh = models.make_mesh(devices=devices[:1]) if not compile_only else _mesh(devices[:1])
+    mesh = (
+        step_memory.mesh_of(1, 1, devices)
+        if compile_only
+        else models.make_mesh(devices=devices[:1])
+    )
     model_name, rank = CASES[args.case]
     tmp = Path(tempfile.mkdtemp(prefix="bench-tpu-"))
     memory.write_configs(tmp)
@@ -275,30 +279,16 @@ def run_case(args: argparse.Namespace) -> dict:
 
 
 def compile_only_devices(topology: str) -> list:
-    """libtpu's compile-only devices of a one-host TPU topology (no TPU needed)."""
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip claimed
-    from jax.experimental import topologies
+    """libtpu's compile-only devices of a one-host TPU topology (`v5e:1x1`: one v5e chip),
+    as `posttrain estimate --compile` makes them (no chip claimed)."""
+    from posttrain import catalog
+    from posttrain.trainer import tpu_compile
 
-    chips = 1 if topology.endswith("1x1") else 4
-    bounds = (1, 1, 1) if chips == 1 else (2, 2, 1)
-    return topologies.get_topology_desc(
-        platform="tpu", topology_name=topology, chip_config_name="default",
-        chips_per_host_bounds=bounds, num_slices=1,
-    ).devices  # fmt: skip
-
-
-def _mesh(devices):
-    import jax
-    import numpy as np
-
-    from posttrain.trainer.mesh import AXES
-
-    grid = np.empty(len(devices), dtype=object)
-    grid[:] = devices
-    return jax.sharding.Mesh(grid.reshape(1, len(devices), 1), AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 3)  # fmt: skip
+    kind, shape = topology.split(":")
+    chips = 1
+    for n in shape.split("x"):
+        chips *= int(n)
+    return tpu_compile.tpu_devices(catalog.resolve(f"{kind}-{chips}", None))
 
 
 def show(r: dict) -> str:

@@ -17,27 +17,10 @@ from posttrain.trainer import models, sft
 from posttrain.trainer.models import attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+from data_helpers import packed_batch  # noqa: E402
 from hf_fixtures import FIXTURES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
-
-
-def packed_batch(vocab: int, rows, length: int, seed: int = 0) -> dict:
-    seg = np.zeros((len(rows), length), np.int32)
-    pos = np.zeros_like(seg)
-    for r, lengths in enumerate(rows):
-        start = 0
-        for s, n in enumerate(lengths, 1):
-            seg[r, start : start + n] = s
-            pos[r, start : start + n] = np.arange(n)
-            start += n
-    ids = np.random.default_rng(seed).integers(0, vocab, seg.shape).astype(np.int32)
-    return {
-        "input_ids": jnp.asarray(ids),
-        "loss_mask": jnp.asarray((seg != 0).astype(np.int32)),
-        "segment_ids": jnp.asarray(seg),
-        "positions": jnp.asarray(pos),
-    }
 
 
 @pytest.mark.parametrize("fixture", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3-mha"])

@@ -186,3 +186,27 @@ def remaining(loader: DataLoader, state) -> tuple[list[int], int]:
         for w in range(h["next"], frontier, h["stride"]):
             left.extend(e.row for row in loader.window_rows(w) for e in row)
     return left, frontier
+
+
+def packed_batch(vocab: int, rows, length: int, seed: int = 0) -> dict:
+    """A batch of packed rows (as jnp arrays): `rows` holds each row's example lengths,
+    each example with its own segment id (1, 2, ...) and positions from 0, the rest of
+    `length` padding (segment 0); random token ids below `vocab`."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    seg = np.zeros((len(rows), length), np.int32)
+    pos = np.zeros_like(seg)
+    for r, lengths in enumerate(rows):
+        start = 0
+        for s, n in enumerate(lengths, 1):
+            seg[r, start : start + n] = s
+            pos[r, start : start + n] = np.arange(n)
+            start += n
+    ids = np.random.default_rng(seed).integers(0, vocab, seg.shape).astype(np.int32)
+    return {
+        "input_ids": jnp.asarray(ids),
+        "loss_mask": jnp.asarray((seg != 0).astype(np.int32)),
+        "segment_ids": jnp.asarray(seg),
+        "positions": jnp.asarray(pos),
+    }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import data_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,21 +32,7 @@ PACKED = ((100, 90, 40), (200,))
 
 
 def packed_batch(vocab: int, rows=PACKED, length: int = LENGTH, seed: int = 0) -> dict:
-    seg = np.zeros((len(rows), length), np.int32)
-    pos = np.zeros_like(seg)
-    for r, lengths in enumerate(rows):
-        start = 0
-        for s, n in enumerate(lengths, 1):
-            seg[r, start : start + n] = s
-            pos[r, start : start + n] = np.arange(n)
-            start += n
-    ids = np.random.default_rng(seed).integers(0, vocab, seg.shape).astype(np.int32)
-    return {
-        "input_ids": jnp.asarray(ids),
-        "loss_mask": jnp.asarray((seg != 0).astype(np.int32)),
-        "segment_ids": jnp.asarray(seg),
-        "positions": jnp.asarray(pos),
-    }
+    return data_helpers.packed_batch(vocab, rows, length, seed)
 
 
 def load(fixture: str, kernel: str = "dense"):
