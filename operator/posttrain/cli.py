@@ -133,8 +133,10 @@ def _estimate(args: argparse.Namespace) -> int:
         return 1
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
-    if getattr(args, "compile", False) and (code := _estimate_compiled(args.file, job)) is not None:
-        return code
+    if getattr(args, "compile", False):
+        code = _estimate_compiled(args.file, job, getattr(args, "result", None))
+        if code is not None:
+            return code
     if placement.kind == "cpu":
         return _estimate_host(args.file, job)
     est = capacity.estimate(job.spec, placement)
@@ -158,20 +160,53 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0 if est.fits else 1
 
 
-def _estimate_compiled(path: str, job: PostTrainJob) -> int | None:
+def _write_result(result: str | None, answer: dict[str, Any]) -> None:
+    """`--result PATH`: the answer as one JSON object (the operator's preflight pod
+    writes it to its termination message, at most 4096 bytes)."""
+    if not result:
+        return
+    import json
+
+    if isinstance(answer.get("error"), str):
+        answer["error"] = answer["error"][:1000]
+    try:
+        with open(result, "w") as f:
+            f.write(json.dumps(answer, separators=(",", ":")))
+    except OSError as e:
+        print(f"posttrain estimate --result {printable(result)}: {e.strerror or e}",
+              file=sys.stderr)  # fmt: skip
+
+
+def _estimate_compiled(path: str, job: PostTrainJob, result: str | None = None) -> int | None:
     """`posttrain estimate --compile`: the job's train step compiled for its accelerator
     (posttrain.trainer.tpu_compile); None where nothing here compiles for it (a GPU job:
     the estimate follows, after a line saying so). 0 fits, 1 does not, 2 a missing extra,
-    65 an input the compile cannot take (named by field)."""
+    65 an input the compile cannot take (named by field). With `result`, the answer is
+    also written there as JSON (`_write_result`): {"fits": true|false|null, ...}."""
+    _LAST_ERROR[0] = ""
+    code = _compiled(path, job, result)
+    if _LAST_ERROR[0]:
+        _write_result(result, {"fits": None, "exitCode": code, "error": _LAST_ERROR[0]})
+    return code
+
+
+_LAST_ERROR = [""]  # the last line _compiled printed to stderr (for --result)
+
+
+def _failed(line: str) -> None:
+    _LAST_ERROR[0] = line
+    print(line, file=sys.stderr)
+
+
+def _compiled(path: str, job: PostTrainJob, result: str | None) -> int | None:
     from posttrain import catalog
 
     try:
         from posttrain.trainer import tpu_compile
     except ImportError as e:
-        print(
+        _failed(
             f"posttrain estimate --compile needs the 'trainer' extra: "
-            f"pip install 'posttrain[trainer]' ({e})",
-            file=sys.stderr,
+            f"pip install 'posttrain[trainer]' ({e})"
         )
         return 2
     res = job.spec.resources
@@ -179,22 +214,22 @@ def _estimate_compiled(path: str, job: PostTrainJob) -> int | None:
     try:
         report = tpu_compile.compile_report(job.spec, placement)
     except tpu_compile.MissingCompiler as e:
-        print(str(e), file=sys.stderr)
+        _failed(str(e))
         return 2
     except ValueError as e:
-        print(f"{printable(path)}: {printable(_one_line(e).removeprefix('ValueError: '))}",
-              file=sys.stderr)  # fmt: skip
+        _failed(f"{printable(path)}: {printable(_one_line(e).removeprefix('ValueError: '))}")
         return 65
     except Exception as e:
         if os.environ.get("POSTTRAIN_TRACEBACK"):
             raise
-        print(f"posttrain estimate --compile: {printable(_one_line(e))} "
-              "(POSTTRAIN_TRACEBACK=1 shows where)", file=sys.stderr)  # fmt: skip
+        _failed(f"posttrain estimate --compile: {printable(_one_line(e))} "
+                "(POSTTRAIN_TRACEBACK=1 shows where)")  # fmt: skip
         return 1
     for line in report.lines:
         print(printable(line))
     if report.fits is None:
         return None
+    _write_result(result, report.summary())
     return 0 if report.fits else 1
 
 
@@ -358,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the job's train step for its accelerator and topology with its own "
         "compiler (TPU: libtpu, the tpu-compile extra, no TPU needed; CPU: XLA:CPU) and "
         "print the compiler's memory per device and flops",
+    )
+    p.add_argument(
+        "--result",
+        metavar="PATH",
+        help="with --compile: also write the answer to PATH as one JSON object (fits, "
+        "peakGiB, hbmGiB, argumentsGiB, temporariesGiB, outputsGiB, flops, compiler; "
+        "fits null and error when it could not compile)",
     )
     p.set_defaults(func=_estimate)
 

@@ -45,6 +45,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "JobSet", "type": "string", "jsonPath": ".status.jobSetName", "priority": 1},
+    {
+        "name": "Preflight",
+        "type": "string",
+        "jsonPath": ".status.preflight.result",
+        "description": "The TPU compiler's answer before the job took TPUs (spec.preflight)",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # Last: kubectl prints it whole (no truncation), so the operator keeps it to one line
     # of at most 200 characters (posttrain.controller.phase.MESSAGE_MAX).

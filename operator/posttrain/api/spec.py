@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from posttrain.api import kube_values, locations, patterns
+from posttrain.api import kube_values, locations, patterns, service_urls
 
 GROUP = "posttrain.dev"
 VERSION = "v1alpha1"
@@ -338,11 +338,90 @@ class TrainingSpec(KubeModel):
     the language model train; LoRA (spec.lora) adapts the language model only."""
 
 
+class PreflightSpec(KubeModel):
+    """The check before a TPU job takes its TPUs: the operator compiles the job's train
+    step for its slice topology with the TPU compiler, in a short CPU pod of the trainer
+    image (no TPU used), and fails the job with the compiler's figures when it does not
+    fit in HBM, before its JobSet and Kueue Workload exist."""
+
+    compile: bool | None = None
+    """true: compile before the JobSet is made; false: do not (the fast estimate decides
+    alone); unset: the installation's default (the chart's preflight.compile, on in the
+    chart). TPU jobs only: CPU and GPU jobs are never compiled ahead."""
+
+
+class SecretKeyRef(KubeModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN)
+    """Secret name."""
+
+    key: str = Field(
+        default="token",
+        min_length=1,
+        max_length=NAME_MAX,
+        # A Secret key as the API server checks one in a pod (IsConfigMapKey): not `.`,
+        # `..` or starting with `..`, else the JobSet is made and its Jobs are refused.
+        pattern=r"^([-_a-zA-Z0-9][-._a-zA-Z0-9]*|\.[-_a-zA-Z0-9][-._a-zA-Z0-9]*)$",
+    )
+    """Key within the Secret (letters, digits, `-`, `_`, `.`; not `.`, `..` or `..x`)."""
+
+
 class RewardType(StrEnum):
     exact_answer = "exactAnswer"
     regex_format = "regexFormat"
     length_penalty = "lengthPenalty"
     python = "python"
+    http = "http"
+
+
+ServiceUrl = Annotated[str, _checked(service_urls.service_url_error)]
+HeaderName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
+
+
+class ServiceSpec(KubeModel):
+    """An HTTP service the trainer calls: where, how long to wait, how to authenticate."""
+
+    url: ServiceUrl = Field(max_length=URI_MAX)
+    """http(s):// URL: a Kubernetes Service by its cluster DNS name
+    (http://verifier.default.svc:8080/score) or any address, without credentials."""
+
+    timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds to wait for one request."""
+
+    retries: int = Field(default=3, ge=0, le=10)
+    """Further tries of a request that failed (connection refused, timeout, an HTTP 5xx
+    or 429, a malformed answer), after 0.5 s, 1 s, 2 s ... (at most 30 s)."""
+
+    auth_secret: SecretKeyRef | None = None
+    """A Secret whose value is sent in authHeader (with Authorization, as
+    `Bearer <value>`). Never in the URL, the job's config, logs or status."""
+
+    auth_header: HeaderName = "Authorization"
+    """The header that carries authSecret's value."""
+
+
+class HttpRewardSpec(ServiceSpec):
+    """A verifier service that scores completions. It gets POSTs of
+    {"items": [{"prompt", "completion", "answer", "metadata"}]} and answers
+    {"rewards": [number or null, ...]}, one per item (null: no reward for that item).
+    `posttrain run` reads authSecret's value from POSTTRAIN_REWARD_<index>_AUTH."""
+
+    batch_size: int = Field(default=16, ge=1, le=4096)
+    """Completions per POST."""
+
+    concurrency: int = Field(default=4, ge=1, le=64)
+    """POSTs in flight at once."""
+
+    max_failure_fraction: float = Field(default=0.5, ge=0, le=1)
+    """When more than this share of a step's completions got no reward, the step's
+    missing rewards are asked for again (twice at most, after the retries' backoff);
+    completions still without one are dropped from their groups and counted
+    (train/reward_failures), never scored 0."""
+
+    max_failures: int = Field(default=1000, ge=0, le=INT32_MAX)
+    """Once more completions than this went without a reward since the trainer started,
+    the job fails, naming the service and its last error."""
 
 
 class RewardSpec(KubeModel):
@@ -351,7 +430,8 @@ class RewardSpec(KubeModel):
     type: RewardType
     """exactAnswer: 1 when the last number in the completion equals the answer column;
     regexFormat: 1 when the completion matches pattern; lengthPenalty: minus the
-    fraction by which the completion exceeds targetLength; python: a user function."""
+    fraction by which the completion exceeds targetLength; python: a user function;
+    http: a verifier service at url scores batches of completions."""
 
     weight: float = Field(default=1.0, ge=-1000, le=1000)
     """Multiplier for this reward."""
@@ -368,6 +448,9 @@ class RewardSpec(KubeModel):
         pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
     )
     """Import path module:callable of fn(prompts, completions, **columns) -> list[float]."""
+
+    http: HttpRewardSpec | None = None
+    """http: the verifier service and how to call it."""
 
 
 class GrpoLoss(StrEnum):
@@ -688,23 +771,6 @@ class SchedulingSpec(KubeModel):
     exits with every thread's stack after the same deadline. 0: never."""
 
 
-class SecretKeyRef(KubeModel):
-    """A key of a Secret in the job's namespace."""
-
-    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=kube_values.DNS_SUBDOMAIN)
-    """Secret name."""
-
-    key: str = Field(
-        default="token",
-        min_length=1,
-        max_length=NAME_MAX,
-        # A Secret key as the API server checks one in a pod (IsConfigMapKey): not `.`,
-        # `..` or starting with `..`, else the JobSet is made and its Jobs are refused.
-        pattern=r"^([-_a-zA-Z0-9][-._a-zA-Z0-9]*|\.[-_a-zA-Z0-9][-._a-zA-Z0-9]*)$",
-    )
-    """Key within the Secret (letters, digits, `-`, `_`, `.`; not `.`, `..` or `..x`)."""
-
-
 TrackingUri = Annotated[str, _checked(locations.tracking_uri_error)]
 RUN_NAME_FIELDS = ("name", "namespace", "uid", "technique")
 
@@ -840,6 +906,10 @@ class PostTrainJobSpec(KubeModel):
 
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     """Queueing, priority and restarts."""
+
+    preflight: PreflightSpec | None = None
+    """The TPU compiler's check before the job takes TPUs; absent: the installation's
+    default."""
 
     image: ImageReference | None = Field(default=None, max_length=URI_MAX)
     """Trainer image. Default: the operator's configured trainer image."""
@@ -987,6 +1057,55 @@ class Outputs(KubeModel):
     """TensorBoard log directory."""
 
 
+class PreflightStatus(KubeModel):
+    """The TPU compiler's answer for the job's train step (spec.preflight), per device."""
+
+    model_config = ConfigDict(extra="allow")
+
+    result: str | None = None
+    """Compiling, Fits, DoesNotFit, or Unknown (the check gave no answer: the fast
+    estimate decided)."""
+
+    key: str | None = None
+    """Hash of the spec fields that change the compiled program (model, technique, LoRA,
+    batch, sequence length, remat, attention, accumulation, accelerator, topology,
+    slices, image): a job with the same key is not compiled again."""
+
+    job: str | None = None
+    """The preflight Job (batch/v1) that compiled it."""
+
+    cached: bool | None = None
+    """The answer came from an earlier compile of the same program (the namespace's
+    ConfigMap posttrain-preflight)."""
+
+    peak_gi_b: float | None = Field(default=None, alias="peakGiB")
+    """The compiler's total per device: arguments, temporaries and outputs."""
+
+    hbm_gi_b: float | None = Field(default=None, alias="hbmGiB")
+    """HBM per device the compiler had."""
+
+    arguments_gi_b: float | None = Field(default=None, alias="argumentsGiB")
+    """Per device: the step's arguments (weights, optimizer state, batch)."""
+
+    temporaries_gi_b: float | None = Field(default=None, alias="temporariesGiB")
+    """Per device: the step's temporaries (activations, gradients)."""
+
+    outputs_gi_b: float | None = Field(default=None, alias="outputsGiB")
+    """Per device: the step's outputs not in donated arguments' buffers."""
+
+    flops: float | None = None
+    """The compiler's flops per step and device."""
+
+    compiler: str | None = None
+    """The compiler that answered (libtpu's version)."""
+
+    start_time: str | None = None
+    """When the preflight Job was made (RFC 3339)."""
+
+    message: str | None = None
+    """The answer in words."""
+
+
 class PostTrainJobStatus(KubeModel):
     """Observed state, written by the operator (and progress by the trainer)."""
 
@@ -1021,6 +1140,9 @@ class PostTrainJobStatus(KubeModel):
 
     outputs: Outputs | None = None
     """Output locations."""
+
+    preflight: PreflightStatus | None = None
+    """The TPU compiler's check before the job took TPUs (spec.preflight)."""
 
 
 class ObjectMeta(BaseModel):

@@ -50,6 +50,8 @@ class Observed:
     blocked: Cause | None = None  # why no pod can be made (phase.missing_priority_class)
     # The operator already ended the Jobs of the JobSet's current attempt (`restart`).
     restart_requested: bool = False
+    # The job's preflight pods (`preflight.pod_state`), before its JobSet is made.
+    preflight: tuple[Any, ...] = ()
 
 
 @dataclass

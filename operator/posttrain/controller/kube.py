@@ -34,6 +34,8 @@ COLLECTIONS = {
     "JobSet": f"/apis/{JOBSET_API_VERSION}/namespaces/{{namespace}}/jobsets",
     "Event": "/api/v1/namespaces/{namespace}/events",
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+    "Job": "/apis/batch/v1/namespaces/{namespace}/jobs",  # the preflight's
+    "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps",  # the preflight's cache
 }
 MERGE_PATCH = "application/merge-patch+json"
 # A 429 (too many requests) is sent again in place this many times, as client-go does;

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -34,6 +35,7 @@ from posttrain.controller import (
 )
 from posttrain.controller.leader import LeaseElector
 from posttrain.render import RenderConfig
+from posttrain.render.preflight import PreflightConfig
 
 LEASE_NAME = "posttrain-operator"
 
@@ -74,6 +76,42 @@ def _load_kube_config() -> None:
         kube_config.load_incluster_config()
     except kube_config.ConfigException:
         kube_config.load_kube_config()
+
+
+def preflight_config(env: Mapping[str, str]) -> PreflightConfig:
+    """The installation's preflight settings from the operator's environment (the
+    chart's `preflight` values): POSTTRAIN_PREFLIGHT_COMPILE (true/false),
+    POSTTRAIN_PREFLIGHT_TIMEOUT_SECONDS, POSTTRAIN_PREFLIGHT_CPU,
+    POSTTRAIN_PREFLIGHT_MEMORY, POSTTRAIN_PREFLIGHT_NODE_SELECTOR (JSON object).
+    ValueError naming the variable for a value it cannot take."""
+    defaults = PreflightConfig()
+    flag = env.get("POSTTRAIN_PREFLIGHT_COMPILE", "").strip().lower()
+    if flag not in ("", "true", "false"):
+        raise ValueError(f"POSTTRAIN_PREFLIGHT_COMPILE: expected true or false, not {flag!r}")
+    timeout = env.get("POSTTRAIN_PREFLIGHT_TIMEOUT_SECONDS", "").strip()
+    if timeout and (not timeout.isdigit() or int(timeout) < 1):
+        raise ValueError(
+            f"POSTTRAIN_PREFLIGHT_TIMEOUT_SECONDS: expected a whole number of seconds, "
+            f"not {timeout!r}"
+        )
+    selector_text = env.get("POSTTRAIN_PREFLIGHT_NODE_SELECTOR", "").strip()
+    try:
+        selector = json.loads(selector_text) if selector_text else {}
+    except ValueError:
+        selector = None
+    if not isinstance(selector, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
+    ):
+        raise ValueError(
+            "POSTTRAIN_PREFLIGHT_NODE_SELECTOR: expected a JSON object of label values"
+        )
+    return PreflightConfig(
+        compile=flag == "true" if flag else defaults.compile,
+        timeout_seconds=int(timeout) if timeout else defaults.timeout_seconds,
+        cpu=env.get("POSTTRAIN_PREFLIGHT_CPU") or defaults.cpu,
+        memory=env.get("POSTTRAIN_PREFLIGHT_MEMORY") or defaults.memory,
+        node_selector=selector,
+    )
 
 
 def _render_config() -> RenderConfig:
@@ -139,6 +177,11 @@ def operator_command(args: argparse.Namespace) -> int:
         )
         return 1
     reconcile.State.render_config = _render_config()
+    try:
+        reconcile.State.preflight = preflight_config(os.environ)
+    except ValueError as e:
+        print(f"posttrain operator: {e}", file=sys.stderr)
+        return 1
     metrics.serve(args.metrics_port)
     log = logging.getLogger("posttrain.operator")
     if args.webhook_port:

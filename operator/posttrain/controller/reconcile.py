@@ -24,9 +24,9 @@ from typing import Any
 
 import kopf
 
-from posttrain.api.spec import Phase
+from posttrain.api.spec import Phase, PostTrainJob
 from posttrain.checks import validate
-from posttrain.controller import deadline, kube, metrics, trainer_access, watches
+from posttrain.controller import deadline, kube, metrics, preflight, trainer_access, watches
 from posttrain.controller.actions import (
     Actions,
     Event,
@@ -41,9 +41,12 @@ from posttrain.controller.phase import (
     status_reason,
     waits_in_queue,
 )
+from posttrain.controller.preflight import CACHE_CONFIGMAP
 from posttrain.controller.watches import SCHEDULING_ANNOTATION, job_summary, jobset_summary
 from posttrain.controller.workqueue import WorkQueue
 from posttrain.render import RenderConfig, render
+from posttrain.render import preflight as preflight_render
+from posttrain.render.preflight import PreflightConfig
 
 log = logging.getLogger("posttrain.operator")
 Key = tuple[str, str]
@@ -53,6 +56,7 @@ class State:
     """Operator-wide settings, set once by `posttrain operator` before kopf starts."""
 
     render_config = RenderConfig()
+    preflight = PreflightConfig()
 
 
 def _now() -> str:
@@ -131,6 +135,7 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
         blocked=watches.blocked(indexes, namespace, jobset, len(pods)),
         restart_requested=(attempt := Written.attempt(jobset)) is not None
         and Written.ended.get(key) == attempt,
+        preflight=tuple(watches.preflight_pods(indexes, namespace, name)) if jobset is None else (),
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed
@@ -173,15 +178,23 @@ def _write_status(job: dict[str, Any], actions: Actions, result: Result) -> None
     result.events.extend(actions.events)
 
 
-def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
+def _children(
+    job: dict[str, Any], result: Result, observed: Observed | None = None
+) -> dict[str, Any] | None:
     """Make whatever of the job's objects is missing and return its JobSet; None when
-    the job cannot run (its status says why)."""
+    the job cannot run (its status says why), or waits for its preflight."""
     result.kind = "create"
     parsed, errors = validate(job)
-    if errors or parsed is None:
+    # With a preflight the TPU compiler decides whether it fits, not the fast estimate
+    # (which stands again when the compiler gives no answer).
+    memory = [e for e in errors if e.message.startswith(MEMORY_REFUSAL)]
+    compile_first = parsed is not None and preflight_render.applies(parsed, State.preflight)
+    if parsed is None or (errors and not (compile_first and len(memory) == len(errors))):
         _write_status(job, _fail(job, "InvalidSpec", "; ".join(str(e) for e in errors)), result)
         return None
     namespace = job["metadata"]["namespace"]
+    if compile_first and not _preflight(job, parsed, memory, observed, result):
+        return None
     (jobset,) = render(parsed, State.render_config)
     annotations = jobset["metadata"].setdefault("annotations", {})
     annotations[SCHEDULING_ANNOTATION] = scheduling_annotation(job.get("spec") or {})
@@ -201,6 +214,125 @@ def _children(job: dict[str, Any], result: Result) -> dict[str, Any] | None:
     return result.jobset
 
 
+MEMORY_REFUSAL = "the job does not fit"
+
+
+def _preflight(
+    job: dict[str, Any],
+    parsed: PostTrainJob,
+    memory: list[Any],
+    observed: Observed | None,
+    result: Result,
+) -> bool:
+    """The TPU compiler's check of a TPU job before its JobSet is made: True to go on
+    (it fits, or no answer came and the fast estimate admits it); False while it waits
+    for the preflight pod (its Job made, status Pending with reason Preflight), or when
+    the job failed (it does not fit). Answers are cached per namespace by program key."""
+    meta = job["metadata"]
+    namespace = meta["namespace"]
+    config, render_config = State.preflight, State.render_config
+    key = preflight_render.program_key(parsed, preflight_render.image(parsed, render_config))
+    name = preflight_render.job_name(parsed, key)
+    previous = (job.get("status") or {}).get("preflight") or {}
+    accelerator = parsed.spec.resources.accelerator
+    pods = list(observed.preflight) if observed is not None else []
+    cache_path = f"{kube.COLLECTIONS['ConfigMap'].format(namespace=namespace)}/{CACHE_CONFIGMAP}"
+    cache = None
+    step = preflight.next_step(key, previous, pods, None, _now(), config.timeout_seconds)
+    if step.create and not pods:  # no Job made yet: an earlier compile may have answered
+        cache = kube.read(cache_path)
+        entry = preflight.cached_answer((cache or {}).get("data"), key)
+        step = preflight.next_step(key, previous, pods, entry, _now(), config.timeout_seconds)
+    if step.answer is None:
+        result.check_in = step.check_in
+        if not step.create:
+            return False
+        pf_job = preflight_render.render_preflight(parsed, render_config, config, key)
+        try:
+            # Its pod runs as the namespace's trainer ServiceAccount (without its token).
+            trainer_access.ensure(namespace, render_config.trainer_cluster_role)
+            kube.create_or_get_owned(namespace, pf_job)
+        except kube.Refused as e:  # the API server refuses the Job: no answer will come
+            step = preflight.Step(preflight.Answer(preflight.UNKNOWN, why=str(e)))
+        except kube.Waiting as e:
+            obs = Observation(Phase.pending, e.reason, str(e))
+            _write_status(job, _observed(job, obs), result)
+            raise
+        else:
+            now = _now()
+            fields = preflight.status_fields(None, key, name, now, accelerator)
+            obs = Observation(Phase.pending, preflight.CONDITION, fields["message"])
+            actions = _observed(job, obs)
+            _write_status(job, _with_preflight(job, actions, fields), result)
+            return False
+    answer = step.answer
+    assert answer is not None
+    start = previous.get("startTime") if previous.get("key") == key else None
+    fields = preflight.status_fields(answer, key, name, start, accelerator)
+    if (entry := preflight.cache_entry(answer, _now())) is not None:
+        try:
+            _cache_write(namespace, cache_path, key, entry)
+        except (kube.Retry, kube.Refused) as e:  # the answer stands; only the cache misses it
+            log.info("preflight cache of %s not written: %s", namespace, e)
+    if answer.result == preflight.DOES_NOT_FIT:
+        actions = _fail(job, preflight.DOES_NOT_FIT, fields["message"])
+        _write_status(job, _with_preflight(job, actions, fields), result)
+        return False
+    if answer.result == preflight.UNKNOWN:
+        if memory:  # the fast estimate refuses it, and the compiler did not answer
+            message = "; ".join(str(e) for e in memory) + f" ({fields['message']})"
+            actions = _fail(job, "InvalidSpec", message)
+            _write_status(job, _with_preflight(job, actions, fields), result)
+            return False
+        result.events.append(Event("Warning", preflight.NO_ANSWER, fields["message"]))
+        log.warning("job %s/%s: %s", namespace, meta["name"], fields["message"])
+    elif previous.get("result") != answer.result:
+        result.events.append(Event("Normal", preflight.FITS, fields["message"]))
+    status = job.get("status") or {}
+    if status.get("preflight") != fields:
+        conditions = preflight.with_condition(
+            status.get("conditions") or [], fields, _now(), meta.get("generation")
+        )
+        written = Actions(status={"preflight": fields, "conditions": conditions})
+        _write_status(job, written, result)
+        if result.job is not None:  # what follows builds on the status as written
+            job["status"] = result.job["status"]
+    return True
+
+
+def _with_preflight(job: dict[str, Any], actions: Actions, fields: dict[str, Any]) -> Actions:
+    """`actions`' status write with status.preflight and its condition added."""
+    patch = dict(actions.status or {})
+    if not patch:  # the job finished meanwhile
+        return actions
+    patch["preflight"] = fields
+    generation = job["metadata"].get("generation")
+    patch["conditions"] = preflight.with_condition(
+        patch.get("conditions") or [], fields, _now(), generation
+    )
+    return Actions(status=patch, events=actions.events)
+
+
+def _cache_write(namespace: str, path: str, key: str, entry: str) -> None:
+    """Add an answer to the namespace's preflight cache (a ConfigMap, made on first use)."""
+    existing = kube.read(path)
+    if existing is None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": CACHE_CONFIGMAP,
+                "labels": {"app.kubernetes.io/managed-by": "posttrain-operator"},
+            },
+            "data": {key: entry},
+        }
+        stored, created = kube.create_or_get(namespace, body)
+        if created:
+            return
+        existing = stored
+    kube.patch(path, preflight.cache_patch(existing.get("data"), key, entry))
+
+
 def apply(
     job: dict[str, Any],
     observed: Observed,
@@ -214,7 +346,7 @@ def apply(
     actions = decide(job, observed, _now())
     if actions.create:
         result.events.extend(actions.events)
-        jobset = _children(job, result)
+        jobset = _children(job, result, observed)
         if jobset is None:
             return
         if creates_waiting():

@@ -48,8 +48,9 @@ from typing import Any
 import kopf
 
 from posttrain.api.spec import GROUP, PLURAL, VERSION
-from posttrain.controller import kube, phase
+from posttrain.controller import kube, phase, preflight
 from posttrain.render.jobset import JOB_NAME_LABEL, JOBSET_API_VERSION, KUEUE_QUEUE_LABEL
+from posttrain.render.preflight import PREFLIGHT_LABEL
 
 JOBSET_GROUP, JOBSET_VERSION = JOBSET_API_VERSION.split("/")
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
@@ -187,7 +188,7 @@ async def jobset_index(
     return {(namespace, labels[JOB_NAME_LABEL]): summary}
 
 
-@kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT})
+@kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT, PREFLIGHT_LABEL: kopf.ABSENT})
 async def pod_index(
     namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[Key, Any]:
@@ -195,6 +196,20 @@ async def pod_index(
         shed(body)
         return {}
     state = phase.pod_state(dict(body))
+    shed(body)
+    return {(namespace, labels[JOB_NAME_LABEL]): state}
+
+
+@kopf.index("v1", "pods", labels={JOB_NAME_LABEL: kopf.PRESENT, PREFLIGHT_LABEL: kopf.PRESENT})
+async def preflight_index(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Key, Any]:
+    """The preflight's pods (`preflight.pod_state`: its answer is in their termination
+    message), by (namespace, job name); kept apart from the trainer's pods."""
+    if body["metadata"].get("deletionTimestamp"):
+        shed(body)
+        return {}
+    state = preflight.pod_state(dict(body), PREFLIGHT_LABEL)
     shed(body)
     return {(namespace, labels[JOB_NAME_LABEL]): state}
 
@@ -285,6 +300,13 @@ def pods(
         _values(indexes.get("batch_job_index"), (namespace, name)),
         jobset_body["metadata"].get("uid") or "",
     )
+
+
+def preflight_pods(
+    indexes: dict[str, Any], namespace: str, name: str
+) -> list[preflight.PreflightPod]:
+    """The job's preflight pods (any program key: `preflight.next_step` picks)."""
+    return _values(indexes.get("preflight_index"), (namespace, name))
 
 
 def workload(

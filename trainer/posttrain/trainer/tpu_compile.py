@@ -175,6 +175,31 @@ class Report:
 
     lines: list[str] = field(default_factory=list)
     fits: bool | None = None  # None: not compiled here (a GPU job: the estimate stands in)
+    program: Program | None = None  # the compiled train step's figures
+    limit_bytes: float | None = None  # the memory per device it is held to
+    compiler: str | None = None  # e.g. "libtpu 0.0.42.1", "XLA:CPU"
+
+    def summary(self) -> dict[str, Any]:
+        """The answer as JSON-able figures (GiB per device): what the operator's
+        preflight reads from its pod's termination message."""
+        out: dict[str, Any] = {"fits": self.fits, "compiler": self.compiler}
+        program = self.program
+        if program is None:
+            return out
+        gib = capacity.GIB
+        if program.peak is not None:
+            out["peakGiB"] = round(program.peak / gib, 3)
+        if self.limit_bytes:
+            out["hbmGiB"] = round(self.limit_bytes / gib, 3)
+        if program.memory is not None:
+            for key, name in (("argument", "argumentsGiB"), ("temp", "temporariesGiB"),
+                              ("output", "outputsGiB")):  # fmt: skip
+                out[name] = round(program.memory[key] / gib, 3)
+        if program.flops:
+            out["flops"] = program.flops
+        if program.error:
+            out["error"] = program.error
+        return out
 
 
 def _gib(n: float) -> str:
@@ -279,6 +304,7 @@ def compile_report(spec: PostTrainJobSpec, placement: Placement) -> Report:
         lines, fits = describe(program, limit, f"memory ({where})", 0.0, "cpu")
         report.lines += lines
         report.fits = fits
+        report.program, report.limit_bytes, report.compiler = program, limit, "XLA:CPU"
         return report
     require_libtpu()
     lay = capacity.layout(spec, placement)
@@ -299,6 +325,8 @@ def compile_report(spec: PostTrainJobSpec, placement: Placement) -> Report:
                            placement.generation or "the chip")  # fmt: skip
     report.lines += lines
     report.fits = fits
+    report.program, report.limit_bytes = program, limit
+    report.compiler = f"libtpu {libtpu_version()}"
     est = capacity.estimate(spec, placement)
     if est is not None:
         report.lines.append(

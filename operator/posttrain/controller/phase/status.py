@@ -54,7 +54,8 @@ def conditions_for(
         if generation is not None:
             cond["observedGeneration"] = generation
         out.append(cond)
-    return out
+    # Conditions of other types (the preflight's) are kept as they are.
+    return out + [c for c in previous or [] if c.get("type") not in CONDITION_TYPES]
 
 
 def outputs_for(output_uri: Any) -> dict[str, str]:
@@ -152,7 +153,7 @@ def status_patch(
 def status_reason(status: dict[str, Any]) -> str | None:
     """The reason of a status's phase: the True condition's, or for Pending the Running
     condition's (why it does not run)."""
-    conditions = status.get("conditions") or []
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") in CONDITION_TYPES]
     for c in conditions:
         if c.get("status") == "True":
             return c.get("reason")
