@@ -225,6 +225,50 @@ CASES: list[Case] = [
         "needs grpo.rollout.placement disaggregated",
     ),
     Case(
+        "grpo-http-reward-without-service",
+        _grpo({"rewards": [{"type": "http"}]}),
+        "spec.grpo.rewards[0].http",
+        "an http reward needs http",
+    ),
+    Case(
+        "grpo-service-on-a-builtin-reward",
+        _grpo({"rewards": [{"type": "exactAnswer", "http": {"url": "http://v:80/s"}}]}),
+        "spec.grpo.rewards[0].http",
+        "other rewards take none",
+    ),
+    Case(
+        "grpo-http-reward-url-without-scheme",
+        _grpo({"rewards": [{"type": "http", "http": {"url": "verifier.default.svc:8080"}}]}),
+        "spec.grpo.rewards[0].http.url",
+        "must be an http:// or https:// URL",
+        server=False,
+    ),
+    Case(
+        "grpo-http-reward-url-with-credentials",
+        _grpo({"rewards": [{"type": "http", "http": {"url": "https://u:tok@verifier/score"}}]}),
+        "spec.grpo.rewards[0].http.url",
+        "URLs carry no credentials",
+        server=False,
+    ),
+    Case(
+        "grpo-http-reward-secret-not-a-name",
+        _grpo(
+            {
+                "rewards": [
+                    {"type": "http", "http": {"url": "http://v/s", "authSecret": {"name": "a/b"}}}
+                ]
+            }
+        ),
+        "spec.grpo.rewards[0].http.authSecret.name",
+        "should match pattern",
+    ),
+    Case(
+        "grpo-http-reward-header-with-colon",
+        _grpo({"rewards": [{"type": "http", "http": {"url": "http://v/s", "authHeader": "X:Y"}}]}),
+        "spec.grpo.rewards[0].http.authHeader",
+        "should match pattern",
+    ),
+    Case(
         "grpo-disaggregated-multi-host-without-pathways",
         _all(
             _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.5}}),

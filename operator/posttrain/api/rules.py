@@ -346,6 +346,12 @@ REWARD_RULES: list[Rule] = [
         lambda r: r.type != "lengthPenalty" or r.target_length is not None,
         "a lengthPenalty reward needs targetLength (tokens)",
     ),
+    Rule(
+        "http",
+        "self.type == 'http' ? has(self.http) : !has(self.http)",
+        lambda r: (r.type == "http") == (r.http is not None),
+        "an http reward needs http (url of the verifier service); other rewards take none",
+    ),
 ]
 
 

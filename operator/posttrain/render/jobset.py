@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.api import functions, rollout_split
+from posttrain.api import functions, rollout_split, service_urls
 from posttrain.api.spec import USER_ERROR_EXIT_CODE, PostTrainJob
 from posttrain.catalog import NODEPOOL_LABEL, Placement
 from posttrain.render import gpu, names, pathways, tpu
@@ -187,6 +187,19 @@ def _tracking_env(job: PostTrainJob, config: RenderConfig) -> list[dict[str, Any
     return env
 
 
+def _service_auth_env(job: PostTrainJob) -> list[dict[str, Any]]:
+    """The auth Secrets of spec.grpo's verifier services, by reference (never a value in
+    the JobSet), in the variables the trainer reads (posttrain.api.service_urls)."""
+    grpo = job.spec.grpo
+    if grpo is None:
+        return []
+    return [
+        _secret_env(service_urls.reward_auth_env(i), r.http.auth_secret)
+        for i, r in enumerate(grpo.rewards)
+        if r.http is not None and r.http.auth_secret is not None
+    ]
+
+
 def _megascale_env(slices: int, coordinator: str) -> list[dict[str, Any]]:
     return [
         {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
@@ -230,6 +243,7 @@ def _trainer_container(
                 else []
             ),
             *_tracking_env(job, config),
+            *_service_auth_env(job),
         ],
         "ports": [{"name": "jax", "containerPort": names.JAX_COORDINATOR_PORT}],
         "volumeMounts": mounts,

@@ -51,6 +51,7 @@ from posttrain.trainer import (
     loop,
     models,
     optim,
+    reward_failures,
     rewards,
     rl_losses,
     rl_placement,
@@ -385,10 +386,10 @@ class GrpoRun:
         sample = self._sample(host_batch, key)
         if self.variant.dynamic_sampling:
             sample = self._refill(sample, index, key)
-        total = sample.pop("total")
-        advantages = np.asarray(self.advantages(rewards=total, num_generations=G), np.float32)
+        std = self.variant.advantage_estimator == "grpo"  # dr-grpo's has no std
+        sample = reward_failures.drop_unscored(sample, G, std, self.advantages)
         self.last_texts = sample.pop("texts")
-        return {**sample, "advantages": advantages}
+        return sample
 
     def _refill(self, sample: dict, index: int, key: jax.Array) -> dict:
         """DAPO's dynamic sampling: the groups whose rewards all agree teach nothing and
@@ -479,7 +480,7 @@ class GrpoRun:
             for fn in self.reward_fns
         }
         gates = [v > 0 for name, v in parts.items() if not name.startswith("lengthPenalty")]
-        total = np.sum(list(parts.values()), axis=0)
+        total = np.nansum(list(parts.values()), axis=0)  # NaN: a service gave none
         passed = np.all(gates, axis=0) if gates else total > 0
         return evaluate.across_hosts(
             {"reward": float(total.sum()), "passed": float(passed.sum()), "prompts": len(prompts)}
@@ -519,9 +520,10 @@ class GrpoRun:
             self.async_rollouts.close()
 
     def _named(self, out: dict[str, Any], rolled: dict[str, Any]) -> dict[str, Any]:
-        for name in ("groups_dropped", "prompts_drawn"):  # DAPO's dynamic sampling
+        for name in ("groups_dropped", "prompts_drawn", "reward_failures"):
             if name in rolled:
                 out[name] = rolled[name]
+        out.update(reward_failures.service_seconds(self.reward_fns))
         parts = out.pop("reward_parts")
         for j, name in enumerate(self.reward_names):
             out[f"reward/{name}"] = parts[j]

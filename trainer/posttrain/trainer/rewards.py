@@ -12,6 +12,8 @@ the weighted sum of all rewards.
 - lengthPenalty: ``-(tokens - targetLength) / targetLength`` when the completion has more
   than targetLength tokens, else 0 (tokens: the sampled completion's, EOS excluded).
 - python: ``module:callable`` imported from the trainer's Python path.
+- http: a verifier service (``reward_service.HttpReward``); a completion it gives no
+  reward gets NaN, and ``reward_failures`` drops it from its group.
 
 Nothing here imports JAX.
 """
@@ -188,6 +190,13 @@ def build_reward(
                     f"{len(completions)} completions"
                 )
             return [weight * v for v in values]
+
+    elif kind == "http":
+        if spec.http is None:
+            raise ValueError(f"{field}.http: an http reward needs http.url (the verifier service)")
+        from posttrain.trainer.reward_service import HttpReward
+
+        return HttpReward(spec.http, index, weight)
 
     else:  # pragma: no cover - the API enum has no other values
         raise ValueError(f"{field}.type: unknown reward type {kind!r}")

@@ -1,0 +1,44 @@
+"""What a service URL a job names may be (spec.grpo.rewards[].url, agent tool urls).
+
+The trainer POSTs the model's completions to these URLs. A URL carries no credentials
+(no user:password@, no query string where a token would go): the job names a Secret for
+the auth header instead, and a URL is shown in logs, events and the job's status.
+"""
+
+from __future__ import annotations
+
+import re
+
+from posttrain.api.locations import unsafe_character
+
+CREDENTIALS_HINT = "put the token in a Secret and name it in authSecret"
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?")
+
+
+def service_url_error(value: str) -> str | None:
+    """Why `value` is not an http:// or https://host[:port][/path] URL, or None."""
+    if bad := unsafe_character(value):
+        return f"contains {bad}; a service URL holds no control, whitespace or format characters"
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return "must be an http:// or https:// URL (e.g. http://verifier.default.svc:8080/score)"
+    if scheme != scheme.lower():
+        return f"write the scheme in lower case, {scheme.lower()}://"
+    host = rest.split("/", 1)[0]
+    if "@" in host:
+        return f"URLs carry no credentials; {CREDENTIALS_HINT}"
+    if "?" in rest or "#" in rest:
+        return f"must not hold a query string or fragment (? or #); {CREDENTIALS_HINT}"
+    if not _HOST.fullmatch(host):
+        return f"host {host!r} is not a host name or address (host or host:port)"
+    port = host.rpartition(":")[2] if not host.endswith("]") and ":" in host else None
+    if port is not None and not 0 < int(port) < 65536:
+        return f"port {port} is not a port (1-65535)"
+    return None
+
+
+def reward_auth_env(index: int) -> str:
+    """The trainer's environment variable that holds spec.grpo.rewards[index].authSecret's
+    value: the rendered JobSet sets it from the Secret by reference; `posttrain run` takes
+    it from the caller's environment."""
+    return f"POSTTRAIN_REWARD_{index}_AUTH"
