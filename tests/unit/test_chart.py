@@ -60,7 +60,9 @@ EXPECTED_CLUSTER_RULES = {
     ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get", "list", "watch"},
     ("kueue.x-k8s.io", "localqueues"): {"get"},
     ("", "pods"): {"list", "watch"},
-    ("batch", "jobs"): {"list", "watch", "patch"},  # progressDeadlineSeconds: end its Jobs
+    # patch: progressDeadlineSeconds ends its Jobs; create: the preflight Job
+    ("batch", "jobs"): {"list", "watch", "patch", "create"},
+    ("", "configmaps"): {"get", "create", "patch"},  # the preflight's cache
     ("kueue.x-k8s.io", "workloads"): {"list", "watch", "patch"},
     ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
     ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"): {"get"},

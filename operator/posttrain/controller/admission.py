@@ -12,21 +12,49 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.api.spec import PostTrainJob
 from posttrain.checks import FieldError, immutable_changes, validate, warnings
+from posttrain.controller.preflight import MEMORY_REFUSAL
+from posttrain.render.preflight import PreflightConfig, applies
 
 
-def admission_errors(body: dict[str, Any], old: dict[str, Any] | None) -> list[FieldError]:
-    _, errors = validate(body)
+def _compiled_first(
+    job: PostTrainJob | None, errors: list[FieldError], preflight: PreflightConfig | None
+) -> tuple[list[FieldError], list[FieldError]]:
+    """(errors, the fast estimate's memory refusals left to the TPU compiler): a TPU job
+    the operator compiles before it takes TPUs (spec.preflight) is refused for its
+    memory by the compiler's answer, not by the estimate's."""
+    if job is None or preflight is None or not applies(job, preflight):
+        return errors, []
+    memory = [e for e in errors if e.message.startswith(MEMORY_REFUSAL)]
+    return [e for e in errors if e not in memory], memory
+
+
+def admission_errors(
+    body: dict[str, Any], old: dict[str, Any] | None, preflight: PreflightConfig | None = None
+) -> list[FieldError]:
+    job, errors = validate(body)
+    errors, _ = _compiled_first(job, errors, preflight)
     if old:
         errors += immutable_changes(old.get("spec") or {}, body.get("spec") or {})
     return errors
 
 
-def admission_warnings(body: dict[str, Any]) -> list[str]:
+def admission_warnings(body: dict[str, Any], preflight: PreflightConfig | None = None) -> list[str]:
     """Warnings for a job admission_errors admits: the memory estimate is within its
-    uncertainty, or no memory check could be made (the same lines posttrain validate prints)."""
+    uncertainty, or no memory check could be made (the same lines posttrain validate
+    prints); or, for a job the TPU compiler checks first, the estimate's refusal."""
     job, errors = validate(body)
-    return warnings(job) if job is not None and not errors else []
+    errors, memory = _compiled_first(job, errors, preflight)
+    if job is None or errors:
+        return []
+    if memory:
+        return [
+            f"{e}; the TPU compiler decides before the job takes TPUs (spec.preflight): "
+            "the job fails then if it does not fit"
+            for e in memory
+        ]
+    return warnings(job)
 
 
 # exists(kind, name, namespace) -> True, False, or None when it could not be read.

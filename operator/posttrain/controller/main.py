@@ -178,7 +178,7 @@ def operator_command(args: argparse.Namespace) -> int:
         return 1
     reconcile.State.render_config = _render_config()
     try:
-        reconcile.State.preflight = preflight_config(os.environ)
+        reconcile.State.preflight = webhook.PREFLIGHT = preflight_config(os.environ)
     except ValueError as e:
         print(f"posttrain operator: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,9 @@ CONDITION = "Preflight"
 FITS, DOES_NOT_FIT, UNKNOWN, COMPILING = "Fits", "DoesNotFit", "Unknown", "Compiling"
 NO_ANSWER = "PreflightNoAnswer"
 CACHE_CONFIGMAP = "posttrain-preflight"
+# How the fast estimate's refusal begins (posttrain.capacity.refusal): with a preflight,
+# the compiler's answer decides instead.
+MEMORY_REFUSAL = "the job does not fit"
 CACHE_ENTRIES = 256  # the most answers one namespace's cache keeps (the oldest go)
 # A container waiting for one of these never runs: no answer will come.
 STUCK = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",

@@ -187,7 +187,7 @@ def _children(
     parsed, errors = validate(job)
     # With a preflight the TPU compiler decides whether it fits, not the fast estimate
     # (which stands again when the compiler gives no answer).
-    memory = [e for e in errors if e.message.startswith(MEMORY_REFUSAL)]
+    memory = [e for e in errors if e.message.startswith(preflight.MEMORY_REFUSAL)]
     compile_first = parsed is not None and preflight_render.applies(parsed, State.preflight)
     if parsed is None or (errors and not (compile_first and len(memory) == len(errors))):
         _write_status(job, _fail(job, "InvalidSpec", "; ".join(str(e) for e in errors)), result)
@@ -212,9 +212,6 @@ def _children(
     if created:  # no Event of its own: the job's new phase (Pending) has one
         log.info("created JobSet %s/%s", namespace, jobset["metadata"]["name"])
     return result.jobset
-
-
-MEMORY_REFUSAL = "the job does not fit"
 
 
 def _preflight(

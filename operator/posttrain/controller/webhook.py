@@ -23,22 +23,31 @@ from posttrain.controller.admission import (
     admission_warnings,
     reference_checks,
 )
+from posttrain.render.preflight import PreflightConfig
 
 log = logging.getLogger("posttrain.webhook")
 WEBHOOK_NAME = "validate-posttrainjob.posttrain.dev"
 WEBHOOK_PATH = f"/{WEBHOOK_NAME}"
 CONFIGURATION_NAME = "posttrain.dev"
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+# The installation's preflight settings (`posttrain operator` sets them before serving).
+PREFLIGHT: PreflightConfig | None = None
 
 
-def review_response(review: dict[str, Any], exists: Exists | None = None) -> dict[str, Any]:
+def review_response(
+    review: dict[str, Any],
+    exists: Exists | None = None,
+    preflight: PreflightConfig | None = None,
+) -> dict[str, Any]:
     """The AdmissionReview answer for one request; pure given `exists`, which looks up
-    the PriorityClass, WorkloadPriorityClass and LocalQueue a job names."""
+    the PriorityClass, WorkloadPriorityClass and LocalQueue a job names, and the
+    installation's preflight settings (a TPU job compiled first is not refused for the
+    fast estimate's memory figure)."""
     request = review.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
     if request.get("operation") in ("CREATE", "UPDATE") and request.get("object"):
-        errors = admission_errors(request["object"], request.get("oldObject"))
-        warnings = [] if errors else admission_warnings(request["object"])
+        errors = admission_errors(request["object"], request.get("oldObject"), preflight)
+        warnings = [] if errors else admission_warnings(request["object"], preflight)
         if exists is not None and not errors:
             errors, missing = reference_checks(request["object"], exists, request.get("oldObject"))
             warnings += missing
@@ -107,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             review = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            body = json.dumps(review_response(review, kube_exists)).encode()
+            body = json.dumps(review_response(review, kube_exists, PREFLIGHT)).encode()
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the server
             log.warning("bad admission request: %s", e)
             self.send_error(400)
