@@ -134,7 +134,9 @@ def _estimate(args: argparse.Namespace) -> int:
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
     if getattr(args, "compile", False):
-        code = _estimate_compiled(args.file, job, getattr(args, "result", None))
+        code = _estimate_compiled(
+            args.file, job, getattr(args, "result", None), getattr(args, "fetch_configs", False)
+        )
         if code is not None:
             return code
     if placement.kind == "cpu":
@@ -177,14 +179,16 @@ def _write_result(result: str | None, answer: dict[str, Any]) -> None:
               file=sys.stderr)  # fmt: skip
 
 
-def _estimate_compiled(path: str, job: PostTrainJob, result: str | None = None) -> int | None:
+def _estimate_compiled(
+    path: str, job: PostTrainJob, result: str | None = None, fetch: bool = False
+) -> int | None:
     """`posttrain estimate --compile`: the job's train step compiled for its accelerator
     (posttrain.trainer.tpu_compile); None where nothing here compiles for it (a GPU job:
     the estimate follows, after a line saying so). 0 fits, 1 does not, 2 a missing extra,
     65 an input the compile cannot take (named by field). With `result`, the answer is
     also written there as JSON (`_write_result`): {"fits": true|false|null, ...}."""
     _LAST_ERROR[0] = ""
-    code = _compiled(path, job, result)
+    code = _compiled(path, job, result, fetch)
     if _LAST_ERROR[0]:
         _write_result(result, {"fits": None, "exitCode": code, "error": _LAST_ERROR[0]})
     return code
@@ -198,7 +202,7 @@ def _failed(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _compiled(path: str, job: PostTrainJob, result: str | None) -> int | None:
+def _compiled(path: str, job: PostTrainJob, result: str | None, fetch: bool) -> int | None:
     from posttrain import catalog
 
     try:
@@ -212,7 +216,14 @@ def _compiled(path: str, job: PostTrainJob, result: str | None) -> int | None:
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
     try:
-        report = tpu_compile.compile_report(job.spec, placement)
+        if fetch:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="posttrain-configs-") as scratch:
+                spec = tpu_compile.local_configs(job.spec, scratch)
+                report = tpu_compile.compile_report(spec, placement)
+        else:
+            report = tpu_compile.compile_report(job.spec, placement)
     except tpu_compile.MissingCompiler as e:
         _failed(str(e))
         return 2
@@ -400,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compile: also write the answer to PATH as one JSON object (fits, "
         "peakGiB, hbmGiB, argumentsGiB, temporariesGiB, outputsGiB, flops, compiler; "
         "fits null and error when it could not compile)",
+    )
+    p.add_argument(
+        "--fetch-configs",
+        action="store_true",
+        help="with --compile: read the config.json of a gs:// or hf:// model (and teacher) "
+        "from there (no weights); without it such a source is an error",
     )
     p.set_defaults(func=_estimate)
 

@@ -188,3 +188,35 @@ def test_a_model_without_a_local_config_is_named(tmp_path, capsys):
     code = cli.main(["estimate", "--compile", _job_file(tmp_path, doc)])
     err = capsys.readouterr().err
     assert code == 65 and "spec.model.source" in err and "config.json" in err
+
+
+@needs_libtpu
+def test_the_preflight_compiles_a_gcs_model_from_its_config_alone(tmp_path, capsys):
+    """The operator's preflight pod: `--fetch-configs` reads the config.json of a gs://
+    model (no weights) and `--result` writes the answer as one JSON object."""
+    from data_helpers import gcs_bucket
+
+    from posttrain.trainer import storage
+
+    with gcs_bucket("ptmodels") as bucket:
+        storage.write_text(f"{bucket}/llama/config.json", json.dumps(LLAMA))
+        doc = _doc(f"{bucket}/llama", "v5e-1", data={"maxLength": 128},
+                   training={"batchSize": 1})  # fmt: skip
+        result = tmp_path / "result.json"
+        code = cli.main(["estimate", "--compile", "--fetch-configs", "--result", str(result),
+                         _job_file(tmp_path, doc)])  # fmt: skip
+        out = capsys.readouterr().out
+        assert code == 0, out
+        answer = json.loads(result.read_text())
+        assert answer["fits"] is True and answer["compiler"].startswith("libtpu ")
+        assert 0 < answer["peakGiB"] < 1 and answer["hbmGiB"] > 15
+        assert answer["argumentsGiB"] > 0 and answer["flops"] > 0
+        doc["model"]["source"] = f"{bucket}/missing"
+        code = cli.main(["estimate", "--compile", "--fetch-configs", "--result", str(result),
+                         _job_file(tmp_path, doc)])  # fmt: skip
+        answer = json.loads(result.read_text())
+        assert code == 65 and answer["fits"] is None
+        assert (
+            "spec.model.source: cannot read config.json of gs://ptmodels/missing"
+            in (answer["error"])
+        )

@@ -123,8 +123,10 @@ def test_the_preflight_job_is_one_cpu_pod_of_the_trainer_image():
     assert config_doc["spec"]["resources"]["accelerator"] == "v5e-8"
     (container,) = pod["spec"]["containers"]
     assert container["image"] == "trainer:tpu"
-    assert container["command"] == ["posttrain", "estimate", "--compile", "--result",
-                                    "/dev/termination-log", "/etc/posttrain/job.json"]  # fmt: skip
+    assert container["command"] == [
+        "posttrain", "estimate", "--compile", "--fetch-configs",
+        "--result", "/dev/termination-log", "/etc/posttrain/job.json",
+    ]  # fmt: skip
     assert container["terminationMessagePath"] == "/dev/termination-log"
     assert container["resources"] == {"requests": {"cpu": "3", "memory": "12Gi"},
                                       "limits": {"memory": "12Gi"}}  # fmt: skip
@@ -144,9 +146,19 @@ def test_a_long_job_name_gives_a_job_name_pods_can_carry():
 def test_the_job_image_is_the_jobs_own_when_it_names_one():
     job = parsed(doc(image="registry.example/trainer:mine"))
     rendered = render_preflight(job, RenderConfig(), ON, "k" * 64)
-    assert rendered["spec"]["template"]["spec"]["containers"][0]["image"] == (
-        "registry.example/trainer:mine"
-    )
+    container = rendered["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.example/trainer:mine"
+    assert "env" not in container  # no token to pass
+
+
+def test_a_gated_models_config_is_read_with_the_jobs_token():
+    job = parsed(doc(hfTokenSecret={"name": "hf", "key": "token"}))
+    container = render_preflight(job, RenderConfig(), ON, "k" * 64)["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert container["env"] == [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ]
 
 
 # -- what a pod answered ----------------------------------------------------------------

@@ -5,7 +5,8 @@ the answer to its termination message as JSON (`--result`), which the operator r
 (posttrain.controller.preflight).
 
 The pod reads the job as the trainer does: its config in the pod's own annotation,
-mounted by a downwardAPI volume. It runs as the namespace's trainer ServiceAccount
+mounted by a downwardAPI volume; the model's (and a teacher's) config.json from its
+gs:// or hf:// source (`--fetch-configs`, no weights), with the job's HF token. It runs as the namespace's trainer ServiceAccount
 without its token (it calls no API), on CPU nodes (no TPU requested, no TPU toleration).
 
 `program_key` names the compiled program: a hash of the spec fields that change it and
@@ -112,6 +113,7 @@ def render_preflight(
             "posttrain",
             "estimate",
             "--compile",
+            "--fetch-configs",
             "--result",
             TERMINATION_MESSAGE_PATH,
             CONFIG_FILE,
@@ -132,6 +134,10 @@ def render_preflight(
         "containers": [container],
         "volumes": [{"name": "config", "downwardAPI": {"items": [config_item]}}],
     }
+    if job.spec.hf_token_secret:  # a gated hf:// model's config.json needs the token
+        ref = job.spec.hf_token_secret
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+        container["env"] = [{"name": "HF_TOKEN", "valueFrom": secret}]
     if config.node_selector:
         pod_spec["nodeSelector"] = dict(config.node_selector)
     return {

@@ -260,6 +260,56 @@ def _for_cpu(spec: PostTrainJobSpec) -> PostTrainJobSpec:
     return spec.model_copy(update={"training": t.model_copy(update={"remat": "none"})})
 
 
+def _remote_config(source: str, field: str) -> bytes:
+    """config.json of a gs:// prefix or an hf://org/name[@rev] repository (nothing else of
+    it: the compile reads no weights). ValueError naming `field` when it cannot be read."""
+    try:
+        if source.startswith("hf://"):
+            from huggingface_hub import hf_hub_download
+
+            from posttrain.trainer.sources import HF_CACHE
+
+            repo, _, revision = source.removeprefix("hf://").partition("@")
+            path = hf_hub_download(
+                repo, "config.json", revision=revision or None, cache_dir=str(HF_CACHE)
+            )
+            with open(path, "rb") as f:
+                return f.read(1024 * 1024)
+        from posttrain.trainer import storage
+
+        return storage.read_bytes(storage.join(source, "config.json"))
+    except Exception as e:  # noqa: BLE001 - storage and Hub errors come in many types
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{field}: cannot read config.json of {source}: {reason}") from None
+
+
+def local_configs(spec: PostTrainJobSpec, scratch: Any) -> PostTrainJobSpec:
+    """`spec` with a gs:// or hf:// spec.model.source (and distillation teacher) replaced
+    by a directory under `scratch` holding its config.json alone: what the compile reads
+    (`posttrain estimate --compile --fetch-configs`, the operator's preflight pod)."""
+    from pathlib import Path
+
+    def local(source: str, field: str, name: str) -> str:
+        if "://" not in source:
+            return source
+        target = Path(scratch) / name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "config.json").write_bytes(_remote_config(source, field))
+        return str(target)
+
+    model = spec.model.model_copy(
+        update={"source": local(spec.model.source, "spec.model.source", "model")}
+    )
+    update: dict[str, Any] = {"model": model}
+    if spec.technique == "distill" and spec.distill is not None:
+        teacher = spec.distill.teacher
+        source = local(teacher.source, "spec.distill.teacher.source", "teacher")
+        update["distill"] = spec.distill.model_copy(
+            update={"teacher": teacher.model_copy(update={"source": source})}
+        )
+    return spec.model_copy(update=update)
+
+
 def compile_report(spec: PostTrainJobSpec, placement: Placement) -> Report:
     """Compile the job's train step for its accelerator and say whether it fits."""
     from posttrain.api import model_shapes
