@@ -65,6 +65,9 @@ def test_tpu_jobs_follow_the_installation_unless_they_say():
     # CPU and GPU jobs are never compiled ahead, whatever they or the installation say.
     assert not applies(parsed(doc("cpu", preflight={"compile": True})), ON)
     assert not applies(parsed(doc("nvidia-h100-80gb", preflight={"compile": True})), ON)
+    # An accelerator the catalog does not know: validate names it; nothing to compile.
+    unknown, errors = validate(doc("v6e-300"))
+    assert errors and not applies(unknown, ON)
 
 
 def test_the_key_ignores_what_does_not_change_the_program():
@@ -351,3 +354,20 @@ def test_admission_leaves_memory_to_the_compiler_when_it_checks_first():
     skipped = copy.deepcopy(big)
     skipped["spec"]["preflight"] = {"compile": False}
     assert admission_errors(skipped, None, ON) == refused
+
+
+def test_the_tpu_trainer_image_carries_the_compiler_of_the_tpu_compile_extra():
+    """The preflight pod runs the TPU build of the trainer image: its pinned libtpu
+    (through jax[tpu]) is the one the tpu-compile extra allows."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    (wanted,) = [r for r in extra["optional-dependencies"]["tpu-compile"] if "libtpu" in r]
+    prefix = re.search(r"libtpu==([\d.]+)\.\*", wanted).group(1)
+    pins = (root / "docker" / "constraints-trainer-tpu.txt").read_text().split()
+    (pinned,) = [p for p in pins if p.startswith("libtpu==")]
+    assert pinned.removeprefix("libtpu==").startswith(prefix + ".")
+    assert "ACCELERATOR" in (root / "Dockerfile.trainer").read_text()

@@ -188,7 +188,11 @@ def _children(
     # With a preflight the TPU compiler decides whether it fits, not the fast estimate
     # (which stands again when the compiler gives no answer).
     memory = [e for e in errors if e.message.startswith(preflight.MEMORY_REFUSAL)]
-    compile_first = parsed is not None and preflight_render.applies(parsed, State.preflight)
+    compile_first = (
+        parsed is not None
+        and len(memory) == len(errors)
+        and preflight_render.applies(parsed, State.preflight)
+    )
     if parsed is None or (errors and not (compile_first and len(memory) == len(errors))):
         _write_status(job, _fail(job, "InvalidSpec", "; ".join(str(e) for e in errors)), result)
         return None

@@ -61,7 +61,12 @@ def applies(job: PostTrainJob, config: PreflightConfig) -> bool:
     """Whether the job is compiled before it takes TPUs: TPU jobs, by spec.preflight.compile
     or else the installation's default."""
     res = job.spec.resources
-    placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
+    try:
+        placement = catalog.resolve(
+            res.accelerator, res.topology, res.gpus_per_node, res.machine_type
+        )
+    except catalog.CatalogError:  # validate names the field: nothing to compile
+        return False
     if placement.kind != "tpu":
         return False
     wanted = job.spec.preflight.compile if job.spec.preflight is not None else None
