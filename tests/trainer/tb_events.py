@@ -7,8 +7,8 @@ import struct
 from pathlib import Path
 
 
-def _values(logdir: Path):
-    """(step, summary value) of every event under logdir."""
+def events(logdir: Path):
+    """Every Event protobuf under logdir (its step, wall_time and summary values)."""
     from tensorboardX.proto import event_pb2
 
     for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
@@ -18,9 +18,14 @@ def _values(logdir: Path):
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
             record = data[pos + 12 : pos + 12 + length]
             pos += 12 + length + 4
-            event = event_pb2.Event.FromString(record)
-            for value in event.summary.value:
-                yield event.step, value
+            yield event_pb2.Event.FromString(record)
+
+
+def _values(logdir: Path):
+    """(step, summary value) of every event under logdir."""
+    for event in events(logdir):
+        for value in event.summary.value:
+            yield event.step, value
 
 
 def scalars(logdir: Path) -> dict[str, dict[int, float]]:
