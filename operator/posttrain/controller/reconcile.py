@@ -285,8 +285,9 @@ def _preflight(
             actions = _fail(job, "InvalidSpec", message)
             _write_status(job, _with_preflight(job, actions, fields), result)
             return False
-        result.events.append(Event("Warning", preflight.NO_ANSWER, fields["message"]))
-        log.warning("job %s/%s: %s", namespace, meta["name"], fields["message"])
+        if previous.get("result") != answer.result:  # once, not on a later JobSet create
+            result.events.append(Event("Warning", preflight.NO_ANSWER, fields["message"]))
+            log.warning("job %s/%s: %s", namespace, meta["name"], fields["message"])
     elif previous.get("result") != answer.result:
         result.events.append(Event("Normal", preflight.FITS, fields["message"]))
     status = job.get("status") or {}
