@@ -269,6 +269,89 @@ CASES: list[Case] = [
         "should match pattern",
     ),
     Case(
+        "grpo-agent-turns-without-tools",
+        _grpo({"agent": {"maxTurns": 3}}),
+        "spec.grpo.agent.tools",
+        "maxTurns above 1 needs tools",
+    ),
+    Case(
+        "grpo-agent-tool-name-not-identifier",
+        _grpo({"agent": {"tools": [{"name": "2-calc", "type": "calculator"}]}}),
+        "spec.grpo.agent.tools[0].name",
+        "should match pattern",
+    ),
+    Case(
+        "grpo-agent-tool-names-repeat",
+        _grpo(
+            {
+                "agent": {
+                    "tools": [
+                        {"name": "calc", "type": "calculator"},
+                        {"name": "calc", "type": "calculator"},
+                    ]
+                }
+            }
+        ),
+        "spec.grpo.agent.tools",
+        "tool names must be unique",
+    ),
+    Case(
+        "grpo-agent-http-tool-without-service",
+        _grpo(
+            {
+                "agent": {
+                    "tools": [
+                        {"name": "search", "type": "http", "description": "d", "parameters": {}}
+                    ]
+                }
+            }
+        ),
+        "spec.grpo.agent.tools[0].http",
+        "an http tool needs http",
+    ),
+    Case(
+        "grpo-agent-http-tool-url-with-credentials",
+        _grpo(
+            {
+                "agent": {
+                    "tools": [
+                        {
+                            "name": "search",
+                            "type": "http",
+                            "description": "d",
+                            "parameters": {"type": "object"},
+                            "http": {"url": "http://user:pw@search.default.svc/q"},
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.grpo.agent.tools[0].http.url",
+        "URLs carry no credentials",
+        server=False,
+    ),
+    Case(
+        "grpo-agent-python-tool-from-the-standard-library",
+        _grpo(
+            {
+                "agent": {
+                    "tools": [
+                        {
+                            "name": "shell",
+                            "type": "python",
+                            "description": "d",
+                            "parameters": {"type": "object"},
+                            "function": "os:system",
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.grpo.agent.tools[0].function",
+        "Python's own os module",
+        server=False,
+    ),
+    Case(
         "grpo-disaggregated-multi-host-without-pathways",
         _all(
             _grpo({"rollout": {"placement": "disaggregated", "samplerFraction": 0.5}}),

@@ -126,7 +126,7 @@ def _structural(node: Any, defs: dict[str, Any], classes: dict[str, type[BaseMod
                 out["properties"][key].setdefault("default", {})
     if "enum" in out:
         out.setdefault("type", "string")
-    if "description" in out:
+    if isinstance(out.get("description"), str):  # not a property named description
         out["description"] = " ".join(out["description"].split())
     return out
 
@@ -153,6 +153,9 @@ def spec_schema() -> dict[str, Any]:
     schema = openapi_schema(spec.PostTrainJobSpec)
     reward = schema["properties"]["grpo"]["properties"]["rewards"]["items"]
     reward["x-kubernetes-validations"] = _cel(rules.REWARD_RULES)
+    agent = schema["properties"]["grpo"]["properties"]["agent"]
+    agent["x-kubernetes-validations"] = _cel(rules.AGENT_RULES)
+    agent["properties"]["tools"]["items"]["x-kubernetes-validations"] = _cel(rules.TOOL_RULES)
     schema["x-kubernetes-validations"] = _cel(rules.RULES)
     return schema
 

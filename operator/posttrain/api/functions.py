@@ -1,4 +1,5 @@
-"""Which Python functions a job may name (spec.grpo.rewards[].function, module:callable).
+"""Which Python functions a job may name (spec.grpo.rewards[].function and
+spec.grpo.agent.tools[].function, module:callable).
 
 The trainer imports the function and calls it on the model's completions, so a callable
 from the interpreter's own modules (`builtins:exec`, `subprocess:run`, `os:system`) would
@@ -35,8 +36,8 @@ def function_error(value: str, allowed: tuple[str, ...] | None = None) -> str | 
     top = module.split(".")[0]
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
         return (
-            f"{value!r} is from Python's own {top} module; a reward function runs on the "
-            "model's completions and must come from a module of your own"
+            f"{value!r} is from Python's own {top} module; a reward or tool function runs on the "
+            "model's output and must come from a module of your own"
         )
     if allowed is not None and not any(_under(module, p) for p in allowed):
         return (

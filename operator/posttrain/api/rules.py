@@ -355,6 +355,49 @@ REWARD_RULES: list[Rule] = [
 ]
 
 
+# Rules on spec.grpo.agent and on each of its tools.
+AGENT_RULES: list[Rule] = [
+    Rule(
+        "tools",
+        "self.maxTurns <= 1 || size(self.tools) > 0",
+        lambda a: a.max_turns <= 1 or len(a.tools) > 0,
+        "maxTurns above 1 needs tools (a turn without a tool call ends the episode)",
+    ),
+    Rule(
+        "tools",
+        "self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
+        lambda a: len({t.name for t in a.tools}) == len(a.tools),
+        "tool names must be unique",
+    ),
+]
+TOOL_RULES: list[Rule] = [
+    Rule(
+        "http",
+        "self.type == 'http' ? has(self.http) : !has(self.http)",
+        lambda t: (t.type == "http") == (t.http is not None),
+        "an http tool needs http (url of its service); other tools take none",
+    ),
+    Rule(
+        "function",
+        "self.type == 'python' ? has(self.function) : !has(self.function)",
+        lambda t: (t.type == "python") == (t.function is not None),
+        "a python tool needs function (module:callable); other tools take none",
+    ),
+    Rule(
+        "description",
+        "self.type == 'calculator' || has(self.description)",
+        lambda t: t.type == "calculator" or t.description is not None,
+        "an http or python tool needs a description (shown to the model)",
+    ),
+    Rule(
+        "parameters",
+        "self.type == 'calculator' || has(self.parameters)",
+        lambda t: t.type == "calculator" or t.parameters is not None,
+        "an http or python tool needs parameters (a JSON schema object)",
+    ),
+]
+
+
 def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
     """(field path, message) for every rule the spec breaks."""
     out = [(f"spec.{r.field}", r.message_for(spec)) for r in RULES if not r.check(spec)]
@@ -365,6 +408,19 @@ def errors(spec: PostTrainJobSpec) -> list[tuple[str, str]]:
             for r in REWARD_RULES
             if not r.check(reward)
         ]
+    agent = spec.grpo.agent if spec.grpo else None
+    if agent is not None:
+        out += [
+            (f"spec.grpo.agent.{r.field}", r.message_for(agent))
+            for r in AGENT_RULES
+            if not r.check(agent)
+        ]
+        for i, tool in enumerate(agent.tools):
+            out += [
+                (f"spec.grpo.agent.tools[{i}].{r.field}", r.message_for(tool))
+                for r in TOOL_RULES
+                if not r.check(tool)
+            ]
     return out
 
 

@@ -42,3 +42,8 @@ def reward_auth_env(index: int) -> str:
     value: the rendered JobSet sets it from the Secret by reference; `posttrain run` takes
     it from the caller's environment."""
     return f"POSTTRAIN_REWARD_{index}_AUTH"
+
+
+def tool_auth_env(name: str) -> str:
+    """The trainer's variable that holds the authSecret value of the agent tool `name`."""
+    return f"POSTTRAIN_TOOL_{name.upper()}_AUTH"

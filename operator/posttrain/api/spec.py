@@ -453,6 +453,79 @@ class RewardSpec(KubeModel):
     """http: the verifier service and how to call it."""
 
 
+class ToolType(StrEnum):
+    calculator = "calculator"
+    http = "http"
+    python = "python"
+
+
+class ToolSpec(KubeModel):
+    """A tool the model may call during an episode (spec.grpo.agent)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name the model calls it by: a Python identifier, unique in the job."""
+
+    type: ToolType
+    """calculator: built in, deterministic ({"a": number, "b": number, "op": "+", "-",
+    "*" or "/"}); http: a service at http.url gets a POST of the call's arguments (JSON)
+    and answers the tool's result; python: function(**arguments) -> result, imported in
+    the trainer."""
+
+    description: str | None = Field(default=None, min_length=1, max_length=1024)
+    """What the tool does, shown to the model. Default: the calculator's own; needed
+    for http and python tools."""
+
+    parameters: dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """The arguments as a JSON schema object ({"type": "object", "properties": ...}),
+    shown to the model. Default: the calculator's own; needed for http and python."""
+
+    http: ServiceSpec | None = None
+    """http: the tool's service. `posttrain run` reads authSecret's value from
+    POSTTRAIN_TOOL_<NAME>_AUTH."""
+
+    function: str | None = Field(
+        default=None,
+        max_length=NAME_MAX,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+    )
+    """python: import path module:callable, called with the call's arguments."""
+
+
+class ToolFormat(StrEnum):
+    auto = "auto"
+    chatml = "chatml"
+    llama3 = "llama3"
+    gemma = "gemma"
+
+
+class AgentSpec(KubeModel):
+    """Multi-turn episodes: the model's turn is read for tool calls, each call runs and
+    its result is appended as a tool message, and the episode goes on until a turn calls
+    no tool, maxTurns turns, or maxCompletionLength tokens after the prompt (the model's
+    and the tools' together). Only the model's tokens carry loss."""
+
+    max_turns: int = Field(default=4, ge=1, le=64)
+    """Model turns per episode at most."""
+
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=32)
+    """The tools the model may call."""
+
+    tool_format: ToolFormat = ToolFormat.auto
+    """How tool calls and results are written: chatml (Qwen2/3, SmolLM2:
+    <tool_call>{"name", "arguments"}</tool_call>, results in <tool_response>), llama3
+    (a turn that is one JSON object {"name", "parameters"}, results as an ipython
+    message) or gemma (```tool_code name(a=1) ```, results in ```tool_output```).
+    auto: from the chat template's turn markers."""
+
+    max_tool_output_chars: int = Field(default=2000, ge=16, le=1048576)
+    """A tool result longer than this is cut (and said so to the model)."""
+
+    turn_length: int | None = Field(default=None, ge=1, le=LENGTH_MAX)
+    """Tokens the model may write in one turn. Default: maxCompletionLength."""
+
+
 class GrpoLoss(StrEnum):
     grpo = "grpo"
     gspo_token = "gspo-token"
@@ -533,6 +606,9 @@ class GrpoSpec(KubeModel):
 
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16)
     """Reward functions, summed with their weights."""
+
+    agent: AgentSpec | None = None
+    """Multi-turn episodes with tools; absent: one completion per rollout."""
 
 
 class DpoAlgorithm(StrEnum):

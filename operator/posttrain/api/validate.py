@@ -260,6 +260,10 @@ def spec_errors(job: PostTrainJob) -> list[FieldError]:
     for i, reward in enumerate(rewards):
         if reward.function and (why := functions.function_error(reward.function, allowed)):
             errors.append(FieldError(f"spec.grpo.rewards[{i}].function", why))
+    tools = spec.grpo.agent.tools if spec.grpo and spec.grpo.agent else []
+    for i, tool in enumerate(tools):
+        if tool.function and (why := functions.function_error(tool.function, allowed)):
+            errors.append(FieldError(f"spec.grpo.agent.tools[{i}].function", why))
     meta = job.metadata
     errors += [
         FieldError(field, message)

@@ -193,11 +193,18 @@ def _service_auth_env(job: PostTrainJob) -> list[dict[str, Any]]:
     grpo = job.spec.grpo
     if grpo is None:
         return []
-    return [
+    env = [
         _secret_env(service_urls.reward_auth_env(i), r.http.auth_secret)
         for i, r in enumerate(grpo.rewards)
         if r.http is not None and r.http.auth_secret is not None
     ]
+    tools = grpo.agent.tools if grpo.agent else []
+    env += [
+        _secret_env(service_urls.tool_auth_env(t.name), t.http.auth_secret)
+        for t in tools
+        if t.http is not None and t.http.auth_secret is not None
+    ]
+    return env
 
 
 def _megascale_env(slices: int, coordinator: str) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ from flax import nnx
 
 from posttrain.api.spec import PostTrainJob
 from posttrain.trainer import (
+    agent_rollout,
     data,
     evaluate,
     loop,
@@ -210,7 +211,8 @@ class GrpoRun:
         check_rollout_engine(str(g.rollout_engine))
         self.spec, self.g, self.policy, self.mesh = spec, g, policy, mesh
         self.process = process
-        self.tok = TunixTokenizer(tokenizer, g.max_prompt_length)
+        tok_class = agent_rollout.PinnedTokenizer if g.agent else TunixTokenizer
+        self.tok = tok_class(tokenizer, g.max_prompt_length)
         self.pad_id, self.eos_id = self.tok.pad_id(), self.tok.eos_id()
         self.reward_fns = rewards.build_rewards(
             g, count_tokens=lambda text: len(tokenizer.encode(text))
@@ -231,6 +233,11 @@ class GrpoRun:
             top_p=1.0,
             eos_tokens=[self.eos_id],
         )
+        self.agent = None  # spec.grpo.agent: multi-turn episodes with tools
+        if g.agent:
+            agent_rollout.widen(self.rollout_config, g)
+            template = tokenizer.template(spec.data.chat_template)
+            self.agent = agent_rollout.AgentRollout(g, self.tok, template and template.source)
         cfg = policy.model.config
         cache_config = base_rollout.CacheConfig(
             cache_size=self.rollout_config.kv_cache_size,
@@ -426,11 +433,15 @@ class GrpoRun:
         # host-local sampler.
         self.rollout_config.seed = np.asarray(key)
         start = time.monotonic()
-        out = self.cluster.generate(repeated)
+        if self.agent is not None:
+            out = self.agent.run(repeated, key, self.cluster.generate, self.rollout_config)
+            completion_ids, completion_mask = out.completion_ids, out.completion_mask
+        else:
+            out = self.cluster.generate(repeated)
+            completion_ids, completion_mask = _eos_padded(
+                out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
+            )
         self.rollout_seconds += time.monotonic() - start
-        completion_ids, completion_mask = _eos_padded(
-            out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
-        )
         self.rollout_tokens += int(completion_mask.sum())
         info = self.learner.reward_manager(
             prompts=repeated,
@@ -468,7 +479,10 @@ class GrpoRun:
             try:
                 # The loop runs under the trainer's mesh; a disaggregated sampler's own.
                 with jax.set_mesh(self.sampler_mesh or self.mesh):
-                    out = self.cluster.generate(prompts)
+                    if self.agent is not None:
+                        out = self.agent.run(prompts, config.seed, self.cluster.generate, config)
+                    else:
+                        out = self.cluster.generate(prompts)
             finally:
                 config.top_k, config.seed = saved
         columns = {
@@ -524,6 +538,7 @@ class GrpoRun:
             if name in rolled:
                 out[name] = rolled[name]
         out.update(reward_failures.service_seconds(self.reward_fns))
+        out.update(self.agent.take_metrics() if self.agent is not None else {})
         parts = out.pop("reward_parts")
         for j, name in enumerate(self.reward_names):
             out[f"reward/{name}"] = parts[j]
