@@ -310,3 +310,29 @@ def test_a_preflight_without_an_answer_does_not_hold_the_job(
     assert preflight_jobs(apiserver, namespace, "skip") == []
     skipped = get_job(apiserver, namespace, "skip")
     assert "preflight" not in skipped["status"] and condition(skipped, "Preflight") is None
+
+
+def test_no_answer_within_the_timeout_lets_the_job_go_on(
+    apiserver: Cluster, namespace: str, model: Path, tmp_path: Path
+):
+    """No pod ever runs (say, no CPU node has room): after the installation's timeout the
+    job goes on without an answer; the estimate admits it."""
+    op = OperatorProcess(apiserver.kubeconfig, tmp_path, namespace, "-n", namespace)
+    op.env.update(POSTTRAIN_PREFLIGHT_COMPILE="true", POSTTRAIN_PREFLIGHT_TIMEOUT_SECONDS="6")
+    op.start()
+    try:
+        create(apiserver, namespace, tpu_job("slow", model, seq=128, batch=1, remat="layer"))
+        pf_job = one_preflight_job(apiserver, namespace, "slow")
+        assert pf_job["spec"]["activeDeadlineSeconds"] == 6
+        assert jobset_names(apiserver, namespace) == []
+        wait_for(lambda: "slow" in jobset_names(apiserver, namespace), timeout=40,
+                 what="the JobSet after the preflight's timeout", describe=op.logs)  # fmt: skip
+        job = get_job(apiserver, namespace, "slow")
+        unknown = condition(job, "Preflight")
+        assert unknown["status"] == "Unknown" and unknown["reason"] == "PreflightNoAnswer"
+        assert (
+            f"no answer from the preflight Job {pf_job['metadata']['name']} within 6 s"
+            in (unknown["message"])
+        )
+    finally:
+        op.stop()
