@@ -238,6 +238,7 @@ def test_a_job_that_does_not_fit_fails_with_the_compilers_figures(
                for t, r, m in events(apiserver, namespace, "big"))  # fmt: skip
     cache = apiserver.core.read_namespaced_config_map("posttrain-preflight", namespace).data
     assert json.loads(cache[status["preflight"]["key"]])["result"] == "DoesNotFit"
+    assert operator.metric("posttrain_preflight_total", 'cached="false",result="DoesNotFit"') == 1
 
 
 def test_a_fitting_job_proceeds_and_its_program_is_not_compiled_again(
@@ -275,6 +276,8 @@ def test_a_fitting_job_proceeds_and_its_program_is_not_compiled_again(
     cached = get_job(apiserver, namespace, "small-again")["status"]["preflight"]
     assert cached["result"] == "Fits" and cached["cached"] is True
     assert cached["key"] == preflight["key"] and cached["peakGiB"] == preflight["peakGiB"]
+    assert operator.metric("posttrain_preflight_total", 'cached="false",result="Fits"') == 1
+    assert operator.metric("posttrain_preflight_total", 'cached="true",result="Fits"') == 1
 
 
 def test_a_preflight_without_an_answer_does_not_hold_the_job(

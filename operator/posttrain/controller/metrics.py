@@ -34,6 +34,12 @@ PROGRESS_DEADLINE = Counter(
 for _action in ("restart", "fail"):
     PROGRESS_DEADLINE.labels(_action)
 JOB_LABELS = ["job_namespace", "job_name"]
+PREFLIGHT = Counter(
+    "posttrain_preflight_total",
+    "TPU jobs' preflight answers (spec.preflight), by result (Fits, DoesNotFit, Unknown) "
+    "and whether a cached answer of the same program gave it",
+    ["result", "cached"],
+)
 PHASE_ENTERED = Gauge(
     "posttrain_job_phase_entered_timestamp_seconds",
     "When an active PostTrainJob entered its current phase (Unix time)",

@@ -268,6 +268,8 @@ def _preflight(
             return False
     answer = step.answer
     assert answer is not None
+    if previous.get("key") != key or previous.get("result") != answer.result:
+        metrics.PREFLIGHT.labels(answer.result, str(answer.cached).lower()).inc()
     start = previous.get("startTime") if previous.get("key") == key else None
     fields = preflight.status_fields(answer, key, name, start, accelerator)
     if (entry := preflight.cache_entry(answer, _now())) is not None:
