@@ -339,3 +339,30 @@ def test_no_answer_within_the_timeout_lets_the_job_go_on(
         )
     finally:
         op.stop()
+
+
+def test_jobs_of_one_program_created_together_compile_it_once(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess, model: Path, tmp_path: Path
+):
+    """A sweep over learning rates: three jobs of one program created at once make one
+    preflight Job; the others wait for its answer and go on with it."""
+    names = ["sweep-a", "sweep-b", "sweep-c"]
+    for i, name in enumerate(names):
+        doc = tpu_job(name, model, seq=128, batch=1, remat="layer")
+        doc["spec"]["training"]["learningRate"] = 1e-4 * (i + 1)
+        create(apiserver, namespace, doc)
+    wait_for(
+        lambda: all(
+            (get_job(apiserver, namespace, n).get("status") or {}).get("preflight") for n in names
+        ),
+        timeout=60, what="every job's preflight status", describe=operator.logs,
+    )  # fmt: skip
+    made = [j for n in names for j in preflight_jobs(apiserver, namespace, n)]
+    assert len(made) == 1, [j["metadata"]["name"] for j in made]
+    code, message = run_preflight_pod(apiserver, made[0], tmp_path)
+    assert code == 0, message
+    wait_for(lambda: sorted(jobset_names(apiserver, namespace)) == names, timeout=60,
+             what="every job's JobSet", describe=operator.logs)  # fmt: skip
+    answers = [get_job(apiserver, namespace, n)["status"]["preflight"] for n in names]
+    assert {a["result"] for a in answers} == {"Fits"} and len({a["key"] for a in answers}) == 1
+    assert sorted(bool(a.get("cached")) for a in answers) == [False, True, True]

@@ -223,9 +223,12 @@ def test_a_pod_on_its_way_has_no_answer_yet(body):
 KEY = "k" * 64
 
 
-def step(previous=None, pods=(), cached=None, now=NOW, timeout=600) -> pf.Step:
+def step(previous=None, pods=(), cached=None, now=NOW, timeout=600, others=(),
+         elsewhere=None) -> pf.Step:  # fmt: skip
     states = [pf.pod_state(p, PREFLIGHT_LABEL) for p in pods]
-    return pf.next_step(KEY, previous or {}, states, cached, now, timeout)
+    other_states = [pf.pod_state(p, PREFLIGHT_LABEL) for p in others]
+    return pf.next_step(KEY, previous or {}, states, cached, now, timeout, "j", other_states,
+                        elsewhere)  # fmt: skip
 
 
 def test_first_the_job_is_made():
@@ -237,6 +240,30 @@ def test_then_it_waits_until_the_timeout():
     assert step(started) == pf.Step(check_in=300)
     late = step(started, now="2026-01-01T00:15:00Z")
     assert late.answer.result == pf.UNKNOWN and "within 600 s" in late.answer.why
+
+
+def test_the_same_program_compiling_for_another_job_is_waited_for():
+    assert step(elsewhere="other-pf-k") == pf.Step(shared="other-pf-k", check_in=10)
+    waiting = {"key": KEY, "result": "Compiling", "job": "other-pf-k",
+               "startTime": "2026-01-01T00:09:00Z"}  # fmt: skip
+    assert step(waiting, elsewhere="other-pf-k") == pf.Step(check_in=10)
+    # Its answer is this job's (marked cached: it was not compiled for this job).
+    done = pod("Failed", terminated={"exitCode": 1, "message": json.dumps(FIGURES)})
+    out = step(waiting, others=[done], elsewhere=None)
+    assert out.answer.result == pf.DOES_NOT_FIT and out.answer.cached
+    # The other job's Job is gone without an answer (its job was deleted): compile here.
+    assert step(waiting, elsewhere=None).create
+    # Its own compile stays its own, whatever else runs.
+    own = waiting | {"job": "j"}
+    assert step(own, elsewhere="other-pf-k") == pf.Step(check_in=540)
+
+
+def test_a_preflight_jobs_state():
+    running = {"metadata": {"name": "a-pf-1", "labels": {"posttrain.dev/job-name": "a"}}}
+    assert pf.job_state(running, "posttrain.dev/job-name") == pf.PreflightJob("a-pf-1", "a", False)
+    failed = running | {"status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+    assert pf.job_state(failed, "posttrain.dev/job-name").finished
+    assert pf.job_state(running | {"status": {"succeeded": 1}}, "posttrain.dev/job-name").finished
 
 
 def test_a_pod_of_another_program_is_not_the_answer():

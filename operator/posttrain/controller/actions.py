@@ -8,6 +8,7 @@ job's mutable spec.scheduling fields, and how a failed job's JobSet is stopped
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +53,8 @@ class Observed:
     restart_requested: bool = False
     # The job's preflight pods (`preflight.pod_state`), before its JobSet is made.
     preflight: tuple[Any, ...] = ()
+    # Every job's preflight pods and Jobs of a program key (watches.preflight_of_key).
+    preflight_of_key: Callable[[str], tuple[list[Any], list[Any]]] | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,44 +124,90 @@ def _seconds_since(start: str | None, now: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class PreflightJob:
+    """What the preflight needs of a preflight Job (of any job of the namespace)."""
+
+    name: str
+    job: str  # the PostTrainJob it was made for
+    finished: bool
+
+
+def job_state(body: dict[str, Any], job_label: str) -> PreflightJob:
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    done = any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return PreflightJob(
+        meta.get("name", ""),
+        (meta.get("labels") or {}).get(job_label, ""),
+        done or bool(status.get("succeeded") or status.get("failed")),
+    )
+
+
+@dataclass(frozen=True)
 class Step:
-    """What to do next: answer (go on or fail), or make the Job (create), or wait."""
+    """What to do next: answer (go on or fail), make the Job (create), wait for the
+    compile of the same program by another job's Job (`shared`, its name), or wait."""
 
     answer: Answer | None = None
     create: bool = False
-    check_in: float | None = None  # look again in this many seconds (the timeout)
+    shared: str | None = None
+    check_in: float | None = None  # look again in this many seconds
+
+
+# How often a job waiting on another job's compile of its program looks again (that
+# pod's events wake only its own job).
+SHARED_POLL_SECONDS = 10.0
 
 
 def next_step(
     key: str,
     previous: dict[str, Any],
-    pods: list[PreflightPod],
+    pods: Sequence[PreflightPod],
     cached: dict[str, Any] | None,
     now: str,
     timeout: float,
+    own_job: str = "",
+    others: Sequence[PreflightPod] = (),
+    running_elsewhere: str | None = None,
 ) -> Step:
     """The preflight's next step for program `key`, given the job's status.preflight
-    (`previous`), its preflight pods (those of another key are ignored), and the cache's
-    entry for the key (None when it has none)."""
+    (`previous`), its preflight pods (those of another key are ignored), the cache's
+    entry for the key (None when it has none), the pods of other jobs' preflights of the
+    same program (`others`: their answer is this job's, marked cached) and the name of
+    another job's preflight Job of the same program that has not finished
+    (`running_elsewhere`; `own_job` is this job's preflight Job's name)."""
     if previous.get("key") == key and previous.get("result") in (FITS, DOES_NOT_FIT, UNKNOWN):
         kept = {k: previous[k] for k in FIGURES if k in previous}
         return Step(Answer(previous["result"], kept, previous.get("message") or ""))
     label = key[:KEY_LABEL_LENGTH]
-    answers = [a for p in pods if p.key == label and (a := answer_from(p))]
-    decided = [a for a in answers if a.result != UNKNOWN]
-    if decided or answers:
-        return Step((decided or answers)[0])
+    own = [a for p in pods if p.key == label and (a := answer_from(p))]
+    shared = [
+        Answer(a.result, a.figures, a.why, cached=True)
+        for p in others
+        if p.key == label and (a := answer_from(p))
+    ]
+    for answers in ([a for a in own if a.result != UNKNOWN],
+                    [a for a in shared if a.result != UNKNOWN], own, shared):  # fmt: skip
+        if answers:
+            return Step(answers[0])
     if cached is not None and cached.get("result") in (FITS, DOES_NOT_FIT):
         figures = {k: cached[k] for k in FIGURES if k in cached}
         return Step(Answer(cached["result"], figures, cached.get("error") or "", cached=True))
     started = previous.get("startTime") if previous.get("key") == key else None
-    if started is None:
+    waits_on = previous.get("job") if started else None
+    if started is None or (waits_on != own_job and waits_on != running_elsewhere):
+        # Not started, or the other job's compile it waited on is gone unanswered.
+        if running_elsewhere:
+            return Step(shared=running_elsewhere, check_in=min(SHARED_POLL_SECONDS, timeout))
         return Step(create=True, check_in=timeout)
     elapsed = _seconds_since(started, now)
     if elapsed is not None and elapsed >= timeout:
         why = f"no answer from the preflight Job {previous.get('job')} within {timeout:.0f} s"
         return Step(Answer(UNKNOWN, why=why))
-    return Step(check_in=timeout - (elapsed or 0))
+    left = timeout - (elapsed or 0)
+    return Step(check_in=min(left, SHARED_POLL_SECONDS) if waits_on != own_job else left)
 
 
 def _gib(value: Any) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import copy
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -136,6 +137,9 @@ def gather(key: Key, indexes: dict[str, Any]) -> tuple[dict[str, Any], Observed]
         restart_requested=(attempt := Written.attempt(jobset)) is not None
         and Written.ended.get(key) == attempt,
         preflight=tuple(watches.preflight_pods(indexes, namespace, name)) if jobset is None else (),
+        preflight_of_key=(lambda label: watches.preflight_of_key(indexes, namespace, label))
+        if jobset is None
+        else None,
     )
     # The index's copy is the caller's own; what a write returned is shared with Written.
     return (job if job is seen else copy.deepcopy(job)), observed
@@ -237,13 +241,31 @@ def _preflight(
     previous = (job.get("status") or {}).get("preflight") or {}
     accelerator = parsed.spec.resources.accelerator
     pods = list(observed.preflight) if observed is not None else []
+    label = key[: preflight_render.KEY_LABEL_LENGTH]
+    lookup = observed.preflight_of_key if observed is not None else None
+    others, jobs = lookup(label) if lookup is not None else ([], [])
+    mine = {p.name for p in pods}
+    others = [p for p in others if p.name not in mine]
+    elsewhere = next((j.name for j in jobs if not j.finished and j.name != name), None)
+    elsewhere = elsewhere or InFlight.other(namespace, label, name)
     cache_path = f"{kube.COLLECTIONS['ConfigMap'].format(namespace=namespace)}/{CACHE_CONFIGMAP}"
-    cache = None
-    step = preflight.next_step(key, previous, pods, None, _now(), config.timeout_seconds)
-    if step.create and not pods:  # no Job made yet: an earlier compile may have answered
+
+    def next_step(entry: dict[str, Any] | None) -> preflight.Step:
+        return preflight.next_step(key, previous, pods, entry, _now(), config.timeout_seconds,
+                                   name, others, elsewhere)  # fmt: skip
+
+    step = next_step(None)
+    if (step.create or step.shared) and not pods:  # an earlier compile may have answered
         cache = kube.read(cache_path)
-        entry = preflight.cached_answer((cache or {}).get("data"), key)
-        step = preflight.next_step(key, previous, pods, entry, _now(), config.timeout_seconds)
+        step = next_step(preflight.cached_answer((cache or {}).get("data"), key))
+    if step.create and (other := InFlight.claim(namespace, label, name)) is not None:
+        step = preflight.Step(shared=other, check_in=preflight.SHARED_POLL_SECONDS)
+    if step.shared is not None:  # the same program compiles for another job: its answer
+        fields = preflight.status_fields(None, key, step.shared, _now(), accelerator)
+        obs = Observation(Phase.pending, preflight.CONDITION, fields["message"])
+        _write_status(job, _with_preflight(job, _observed(job, obs), fields), result)
+        result.check_in = step.check_in
+        return False
     if step.answer is None:
         result.check_in = step.check_in
         if not step.create:
@@ -302,6 +324,37 @@ def _preflight(
         if result.job is not None:  # what follows builds on the status as written
             job["status"] = result.job["status"]
     return True
+
+
+class InFlight:
+    """The preflight Jobs this operator made in the last CLAIM_SECONDS, by (namespace,
+    program key): jobs of one program created in a burst, reconciled at once before the
+    watches show the first one's Job, wait for it instead of compiling it again."""
+
+    CLAIM_SECONDS = 30.0
+    claims: dict[tuple[str, str], tuple[str, float]] = {}
+    lock = threading.Lock()
+
+    @classmethod
+    def other(cls, namespace: str, label: str, mine: str) -> str | None:
+        """Another job's preflight Job of this program made just now, if any."""
+        with cls.lock:
+            name, at = cls.claims.get((namespace, label), ("", 0.0))
+        fresh = time.monotonic() - at < cls.CLAIM_SECONDS
+        return name if fresh and name != mine else None
+
+    @classmethod
+    def claim(cls, namespace: str, label: str, mine: str) -> str | None:
+        """Claim the compile of this program for `mine`; the other Job's name when
+        another job's claim is fresh (then `mine` is not made)."""
+        with cls.lock:
+            name, at = cls.claims.get((namespace, label), ("", 0.0))
+            if name and name != mine and time.monotonic() - at < cls.CLAIM_SECONDS:
+                return name
+            if len(cls.claims) > 4096:  # old claims go
+                cls.claims.clear()
+            cls.claims[(namespace, label)] = (mine, time.monotonic())
+            return None
 
 
 def _with_preflight(job: dict[str, Any], actions: Actions, fields: dict[str, Any]) -> Actions:

@@ -211,7 +211,25 @@ async def preflight_index(
         return {}
     state = preflight.pod_state(dict(body), PREFLIGHT_LABEL)
     shed(body)
-    return {(namespace, labels[JOB_NAME_LABEL]): state}
+    # Also by program key: another job of the same program takes its answer.
+    return {(namespace, labels[JOB_NAME_LABEL]): state, by_key(namespace, state.key): state}
+
+
+@kopf.index(
+    "batch", "v1", "jobs", labels={JOB_NAME_LABEL: kopf.PRESENT, PREFLIGHT_LABEL: kopf.PRESENT}
+)
+async def preflight_job_index(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Key, Any]:
+    """The preflight Jobs by program key (`preflight.job_state`): a job whose program is
+    being compiled for another job waits for that answer instead of compiling it again."""
+    state = preflight.job_state(dict(body), JOB_NAME_LABEL)
+    return {by_key(namespace, labels[PREFLIGHT_LABEL]): state}
+
+
+def by_key(namespace: str, key_label: str) -> Key:
+    """The index key of a program key's preflight pods and Jobs (no job name has ':')."""
+    return (namespace, f"key:{key_label}")
 
 
 @kopf.index("batch", "v1", "jobs", labels={JOB_NAME_LABEL: kopf.PRESENT})
@@ -307,6 +325,17 @@ def preflight_pods(
 ) -> list[preflight.PreflightPod]:
     """The job's preflight pods (any program key: `preflight.next_step` picks)."""
     return _values(indexes.get("preflight_index"), (namespace, name))
+
+
+def preflight_of_key(
+    indexes: dict[str, Any], namespace: str, key_label: str
+) -> tuple[list[preflight.PreflightPod], list[preflight.PreflightJob]]:
+    """Every job's preflight pods and Jobs of one program key in the namespace."""
+    key = by_key(namespace, key_label)
+    return (
+        _values(indexes.get("preflight_index"), key),
+        _values(indexes.get("preflight_job_index"), key),
+    )
 
 
 def workload(
