@@ -271,6 +271,33 @@ def report(table: dict) -> int:
     return 1 if bad or inside < 0.9 * len(results) else 0
 
 
+def fit(table: dict) -> dict[str, float]:
+    """posttrain.capacity.TPU_CONSTANTS fitted on the table's cases outside HELD_OUT: non-
+    negative least squares of the compiler's total less what the estimate holds as it is,
+    relative to the compiler's total (each case weighs the same whatever its size)."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from posttrain import capacity
+
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    from tpu_table import rows
+
+    names = list(capacity.TPU_CONSTANTS)
+    a, b = [], []
+    for r in rows(table):
+        if r.name in HELD_OUT:
+            continue
+        lay = capacity.layout(r.spec, __import__("posttrain.catalog").catalog.resolve(
+            r.spec.resources.accelerator))  # fmt: skip
+        fixed, scaled = capacity.tpu_parts(r.spec, capacity.shape_of(r.spec), lay)
+        total = r.compiler * capacity.GIB
+        a.append([scaled[n][1] / total for n in names])
+        b.append((total - sum(fixed.values())) / total)
+    found, _ = nnls(np.array(a), np.array(b))
+    return dict(zip(names, (round(float(x), 3) for x in found), strict=True))
+
+
 def main() -> int:
     if "--child" in sys.argv:
         i = sys.argv.index("--child")
@@ -279,9 +306,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--list", action="store_true")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile every case not in the table (or changed) and save it")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every case not in the table (or changed) and save it",
+    )
     parser.add_argument("--table", type=Path, default=TABLE)
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="print posttrain.capacity.TPU_CONSTANTS fitted on the table's cases outside HELD_OUT",
+    )
     args = parser.parse_args()
     if args.list:
         print("\n".join(CASES))
@@ -302,6 +337,10 @@ def main() -> int:
                 print(f"{name:<29} TPU {total:6.2f} GiB"
                       f"{' over HBM' if found['over_hbm'] else ''} in {found['seconds']:.0f} s",
                       flush=True)  # fmt: skip
+    if args.fit:
+        for name, value in fit(table).items():
+            print(f'    "{name}": {value},')
+        return 0
     return report(table)
 
 

@@ -90,6 +90,13 @@ SAVED_PER_SCORE_UNCLIPPED = 1.5
 # working set while it is recomputed (Qwen3 0.6B, 28 layers, 4k, accumulation 4: 9.9 GiB,
 # bench/memory.py).
 REMAT_WORKING_SET = 0.1
+# The TPU compiler's figure is the step's own (bench/tpu_calibration.py holds the estimate
+# to it, within 0.8-1.25 on most of its table): a TPU job is refused once the estimate is
+# above TPU_REFUSE_ABOVE x HBM and warned above TPU_WARN_ABOVE x HBM, so that one the
+# compiler fits within 90% of HBM is admitted without a warning and one over HBM refused
+# (tests/unit/test_capacity_tpu_table.py); `posttrain estimate --compile` gives the figure.
+TPU_WARN_ABOVE = 0.95
+TPU_REFUSE_ABOVE = 1.05
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _OPTIMIZER_BYTES = {"adamw": 8, "sgd": 4}
 TERMS = (
@@ -102,6 +109,33 @@ TERMS = (
     "rollout cache",
     "vision tower",
 )
+# TPU accelerators: the estimate is calibrated against the TPU compiler (libtpu, compile-only
+# for the job's topology: bench/tpu_calibration.py, its figures in bench/tpu_memory_table.json),
+# not XLA:CPU, whose scheduler keeps 2-5x more. Held state (float32 masters or the frozen
+# base, optimizer moments, adapters, reference or teacher, GRPO's rollout cache, a vision
+# tower) is counted as it is; what the compiler's schedule keeps beside it is six fitted
+# constants, each scaling one physical quantity per device (fitted on the table's cases
+# outside bench/tpu_calibration.HELD_OUT; `python bench/tpu_calibration.py --fit`):
+TPU_CONSTANTS = {
+    # share of the float32 gradient (and a full fine-tune's compute-dtype cast of the
+    # masters) live at the peak: the compiler frees each layer's as it is applied
+    "gradient_share": 0.47,
+    # share of the whole model in the compute dtype gathered at once over fsdp devices (the
+    # compiler prefetches several layers' all-gathers ahead of their matmuls)
+    "gathered_share": 0.134,
+    # bytes per logit (micro-batch rows x tokens x vocabulary, a distillation teacher's
+    # too): the compute-dtype logits, their float32 cast, the loss's softmax and gradient
+    "logit_bytes": 8.095,
+    # bytes per decoder layer, token and hidden unit kept by a rematerialised step (layer,
+    # block or dots): each layer's input and what the compiler keeps beside it
+    "remat_bytes": 3.037,
+    # bytes per decoder layer, token and hidden unit without rematerialisation (remat none):
+    # every layer's activations with a flash kernel's attention
+    "layer_bytes": 14.479,
+    # bytes per trained parameter (of a device's fsdp share) over several slices (dp > 1):
+    # the float32 gradient's all-reduce over slices and its buffers
+    "slice_bytes": 28.59,
+}
 
 
 @dataclass(frozen=True)
@@ -188,6 +222,7 @@ class MemoryEstimate:
     available_gib: float = 0.0
     accelerator: str = ""
     remat: str = "none"  # spec.training.remat as the trainer applies it
+    compiler: str = "xla-cpu"  # whose figures the terms are calibrated to: "tpu" or "xla-cpu"
 
     @property
     def total_gib(self) -> float:
@@ -198,9 +233,17 @@ class MemoryEstimate:
         """'over' (refused): the total is more than BAND above memory, so even an estimate
         BAND too high leaves the job out of memory; 'tight' (admitted with a warning): the
         total is within BAND of memory; 'fits' otherwise."""
-        if self.total_gib > REFUSE_ABOVE * self.available_gib:
+        refuse, warn = self.thresholds
+        if self.total_gib > refuse * self.available_gib:
             return "over"
-        return "tight" if self.total_gib > WARN_ABOVE * self.available_gib else "fits"
+        return "tight" if self.total_gib > warn * self.available_gib else "fits"
+
+    @property
+    def thresholds(self) -> tuple[float, float]:
+        """(refused above, warned above) as shares of a device's memory."""
+        if self.compiler == "tpu":
+            return TPU_REFUSE_ABOVE, TPU_WARN_ABOVE
+        return REFUSE_ABOVE, WARN_ABOVE
 
     @property
     def fits(self) -> bool:
@@ -261,14 +304,130 @@ def shape_of(spec: PostTrainJobSpec) -> ModelShape | None:
     return model_shapes.shape(spec.model.source, spec.model.layers)
 
 
+def compiler_of(placement: Placement) -> str:
+    """Whose figures the estimate is calibrated to on this placement: the TPU compiler's on
+    a TPU, XLA:CPU's elsewhere (a GPU job's, which XLA:GPU cannot compile without a GPU,
+    and a CPU job's host estimate)."""
+    return "tpu" if placement.is_tpu else "xla-cpu"
+
+
+def _rows_and_lengths(spec: PostTrainJobSpec, lay: Layout) -> tuple[int, int, int]:
+    """Micro-batch rows per device, tokens per row and scored tokens per row."""
+    t = spec.training
+    length, per_example = spec.data.max_length, 1
+    scored = length  # tokens per row whose log-probabilities the loss takes
+    if spec.technique == "dpo":
+        per_example = 2  # chosen and rejected
+        scored = length - min(spec.dpo.max_prompt_length if spec.dpo else 512, length // 2)
+    elif spec.technique == "grpo":
+        per_example = spec.grpo.num_generations
+        length = spec.grpo.max_prompt_length + spec.grpo.max_completion_length
+        scored = spec.grpo.max_completion_length
+    rows = max(1, math.ceil(t.batch_size / t.gradient_accumulation * per_example / lay.devices))
+    return rows, length, scored
+
+
+def tpu_parts(
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout
+) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
+    """A TPU job's memory per device in two parts (bytes): what it holds as it is, by term,
+    and for each of TPU_CONSTANTS the term it adds to and the quantity it scales
+    (bench/tpu_calibration.py fits the constants on these)."""
+    t = spec.training
+    w = _DTYPE_BYTES[spec.model.dtype]
+    params, fsdp = shape.params, lay.per_slice
+    full = spec.lora is None
+    trained = params if full else lora_params(shape, spec)
+    held = params * 4 if full else params * w + trained * 4
+    if t.optimizer == "adafactor":
+        opt_bytes = 8 * trained / shape.hidden
+    else:
+        opt_bytes = _OPTIMIZER_BYTES[t.optimizer] * trained
+    rows, length, _ = _rows_and_lengths(spec, lay)
+    tokens = rows * length
+    frozen, cache, tower, tower_act, logit_units = 0.0, 0.0, 0.0, 0.0, tokens * shape.vocab
+    if spec.technique == "distill":
+        teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
+        teacher = teacher or shape
+        frozen = teacher.params * _DTYPE_BYTES[spec.distill.teacher.dtype] / fsdp
+        logit_units += tokens * teacher.vocab
+    elif full and (
+        (spec.technique == "dpo" and spec.dpo.algorithm == "dpo")
+        or (spec.technique == "grpo" and spec.grpo.beta > 0)
+    ):
+        frozen = params * w / fsdp
+    if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
+        kv = shape.kv_heads * shape.head_dim
+        sequences = t.batch_size * spec.grpo.num_generations / lay.devices
+        cache = sequences * length * shape.layers * 2 * kv * w
+    vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
+    if vision is not None:
+        tower = vision.params * (w if spec.lora else 4 + (w if w < 4 else 0)) / fsdp
+        p, vw = vision.patches, vision.width
+        tower_act = rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
+        if t.train_vision_tower:
+            tower += vision.params * 12 / fsdp
+            tower_act *= vision.depth
+    grads = trained * 4 / fsdp
+    fixed = {
+        "weights": held / fsdp,
+        "optimizer": opt_bytes / fsdp,
+        # the accumulator: a second float32 gradient, the micro-batch scan's carry
+        "gradients": grads if t.gradient_accumulation > 1 else 0.0,
+        "activations": tower_act,
+        "reference/teacher": frozen,
+        "rollout cache": cache,
+        "vision tower": tower,
+    }
+    per_layer = shape.layers * tokens * shape.hidden
+    remat = remat_of(spec)
+    scaled = {
+        "gradient_share": ("gradients", grads + (params * w / fsdp if full else 0.0)),
+        "gathered_share": ("weights", params * w if fsdp > 1 else 0.0),
+        "logit_bytes": ("logits", logit_units),
+        "remat_bytes": ("activations", per_layer if remat != "none" else 0.0),
+        "layer_bytes": ("activations", per_layer if remat == "none" else 0.0),
+        "slice_bytes": ("gradients", trained / fsdp if lay.slices > 1 else 0.0),
+    }
+    return fixed, scaled
+
+
+def _tpu_terms(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout) -> dict[str, float]:
+    fixed, scaled = tpu_parts(spec, shape, lay)
+    terms = dict.fromkeys(TERMS, 0.0) | fixed
+    for name, (term, units) in scaled.items():
+        terms[term] += TPU_CONSTANTS[name] * units
+    return terms
+
+
 def estimate(
-    spec: PostTrainJobSpec, placement: Placement, lay: Layout | None = None
+    spec: PostTrainJobSpec,
+    placement: Placement,
+    lay: Layout | None = None,
+    compiler: str | None = None,
 ) -> MemoryEstimate | None:
-    """None for CPU jobs (host memory is not in the catalog) or with no known shape."""
+    """None for CPU jobs (host memory is not in the catalog) or with no known shape.
+    compiler: whose figures the terms are calibrated to ("tpu" or "xla-cpu"; by default
+    compiler_of(placement))."""
     shape = shape_of(spec)
     if shape is None or placement.kind == "cpu" or not placement.memory_gib_per_device:
         return None
     lay = lay or layout(spec, placement)
+    compiler = compiler or compiler_of(placement)
+    if compiler == "tpu":
+        rows, length, _ = _rows_and_lengths(spec, lay)
+        return MemoryEstimate(
+            spec.model.source,
+            shape,
+            lay,
+            rows,
+            length,
+            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay).items()},
+            float(placement.memory_gib_per_device),
+            placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
+            remat_of(spec),
+            compiler,
+        )
     t = spec.training
     w = _DTYPE_BYTES[spec.model.dtype]
     params, fsdp = shape.params, lay.per_slice
@@ -385,17 +544,18 @@ def estimate(
         float(placement.memory_gib_per_device),
         placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
         remat,
+        compiler,
     )
 
 
 def suggestions(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimate) -> list[str]:
     """Changes that would bring the estimate under memory, each with its new total."""
-    limit = est.available_gib * WARN_ABOVE
+    limit = est.available_gib * est.thresholds[1]
     t = spec.training
     out = []
 
     def total(new_spec: PostTrainJobSpec, lay: Layout | None = None) -> float:
-        found = estimate(new_spec, placement, lay)
+        found = estimate(new_spec, placement, lay, est.compiler)
         return found.total_gib if found else float("inf")
 
     if spec.lora is None:
@@ -438,17 +598,27 @@ def refusal(spec: PostTrainJobSpec, placement: Placement, est: MemoryEstimate) -
     return f"the job does not fit: {est.explain()}; estimates with one change: {hints}"
 
 
-def warning(spec: PostTrainJobSpec, placement: Placement) -> str | None:
+def warning(
+    spec: PostTrainJobSpec, placement: Placement, compiler: str | None = None
+) -> str | None:
     """The admission warning of a job the estimate cannot clear: within the uncertainty
     band, or not checked at all for want of a known architecture."""
     if placement.kind == "cpu" or not placement.memory_gib_per_device:
         return None
-    est = estimate(spec, placement)
+    est = estimate(spec, placement, compiler=compiler)
     if est is None:
         return (
             f"spec.model.source: no memory check was made: posttrain knows no architecture "
             f"for {spec.model.source!r} (no readable config.json and not a model it knows "
             "by name); run posttrain estimate on a local copy"
+        )
+    if est.verdict == "tight" and est.compiler == "tpu":
+        how = "may not fit" if est.total_gib <= est.available_gib else "may run out of memory"
+        return (
+            f"spec.resources.accelerator: the job {how}: {est.explain()}; the estimate is "
+            f"within 25% of the TPU compiler's on posttrain's table, so the job is admitted "
+            f"(refused above {est.thresholds[0] * est.available_gib:.1f} GiB); posttrain "
+            "estimate --compile gives the compiler's own figure"
         )
     if est.verdict == "tight":
         how = "may not fit" if est.total_gib <= est.available_gib else "may run out of memory"
@@ -460,13 +630,15 @@ def warning(spec: PostTrainJobSpec, placement: Placement) -> str | None:
     return None
 
 
-def admission(spec: PostTrainJobSpec, placement: Placement) -> tuple[str, str | None]:
+def admission(
+    spec: PostTrainJobSpec, placement: Placement, compiler: str | None = None
+) -> tuple[str, str | None]:
     """What admission does about the job's memory: ("refuse", the refusal) when the
     estimate is more than BAND above a device's memory, ("warn", the warning) when it is
     within BAND of it or no estimate can be made, else ("admit", None). The webhook, the
     operator and `posttrain validate` apply this (posttrain.checks)."""
-    est = estimate(spec, placement)
+    est = estimate(spec, placement, compiler=compiler)
     if est is not None and not est.fits:
         return "refuse", refusal(spec, placement, est)
-    found = warning(spec, placement)
+    found = warning(spec, placement, compiler)
     return ("warn", found) if found else ("admit", None)
