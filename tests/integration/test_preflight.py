@@ -366,3 +366,4 @@ def test_jobs_of_one_program_created_together_compile_it_once(
     answers = [get_job(apiserver, namespace, n)["status"]["preflight"] for n in names]
     assert {a["result"] for a in answers} == {"Fits"} and len({a["key"] for a in answers}) == 1
     assert sorted(bool(a.get("cached")) for a in answers) == [False, True, True]
+    assert {a["job"] for a in answers} == {made[0]["metadata"]["name"]}  # who answered

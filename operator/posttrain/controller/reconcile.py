@@ -292,8 +292,11 @@ def _preflight(
     assert answer is not None
     if previous.get("key") != key or previous.get("result") != answer.result:
         metrics.PREFLIGHT.labels(answer.result, str(answer.cached).lower()).inc()
-    start = previous.get("startTime") if previous.get("key") == key else None
-    fields = preflight.status_fields(answer, key, name, start, accelerator)
+    same = previous.get("key") == key
+    start = previous.get("startTime") if same else None
+    # The Job that answered: this job's, or the one of another job it waited on.
+    answered_by = previous.get("job") if same and previous.get("job") else name
+    fields = preflight.status_fields(answer, key, answered_by, start, accelerator)
     if (entry := preflight.cache_entry(answer, _now())) is not None:
         try:
             _cache_write(namespace, cache_path, key, entry)
