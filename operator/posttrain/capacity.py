@@ -119,22 +119,26 @@ TERMS = (
 TPU_CONSTANTS = {
     # share of the float32 gradient (and a full fine-tune's compute-dtype cast of the
     # masters) live at the peak: the compiler frees each layer's as it is applied
-    "gradient_share": 0.47,
+    "gradient_share": 0.645,
     # share of the whole model in the compute dtype gathered at once over fsdp devices (the
     # compiler prefetches several layers' all-gathers ahead of their matmuls)
-    "gathered_share": 0.134,
+    "gathered_share": 0.098,
     # bytes per logit (micro-batch rows x tokens x vocabulary, a distillation teacher's
     # too): the compute-dtype logits, their float32 cast, the loss's softmax and gradient
-    "logit_bytes": 8.095,
+    "logit_bytes": 7.528,
     # bytes per decoder layer, token and hidden unit kept by a rematerialised step (layer,
     # block or dots): each layer's input and what the compiler keeps beside it
-    "remat_bytes": 3.037,
+    "remat_bytes": 3.236,
     # bytes per decoder layer, token and hidden unit without rematerialisation (remat none):
     # every layer's activations with a flash kernel's attention
-    "layer_bytes": 14.479,
+    "layer_bytes": 50.758,
     # bytes per trained parameter (of a device's fsdp share) over several slices (dp > 1):
     # the float32 gradient's all-reduce over slices and its buffers
-    "slice_bytes": 28.59,
+    "slice_bytes": 28.398,
+    # share of the whole model in the compute dtype gathered once for every micro-batch
+    # (gradientAccumulation above 1 over fsdp devices: the compiler hoists the weights'
+    # all-gathers out of the micro-batch scan)
+    "hoisted_share": 1.105,
 }
 
 
@@ -328,7 +332,7 @@ def _rows_and_lengths(spec: PostTrainJobSpec, lay: Layout) -> tuple[int, int, in
 
 
 def tpu_parts(
-    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, placement: Placement
 ) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
     """A TPU job's memory per device in two parts (bytes): what it holds as it is, by term,
     and for each of TPU_CONSTANTS the term it adds to and the quantity it scales
@@ -388,12 +392,18 @@ def tpu_parts(
         "remat_bytes": ("activations", per_layer if remat != "none" else 0.0),
         "layer_bytes": ("activations", per_layer if remat == "none" else 0.0),
         "slice_bytes": ("gradients", trained / fsdp if lay.slices > 1 else 0.0),
+        "hoisted_share": (
+            "weights",
+            params * w if t.gradient_accumulation > 1 and fsdp > 1 else 0.0,
+        ),
     }
     return fixed, scaled
 
 
-def _tpu_terms(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout) -> dict[str, float]:
-    fixed, scaled = tpu_parts(spec, shape, lay)
+def _tpu_terms(
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, placement: Placement
+) -> dict[str, float]:
+    fixed, scaled = tpu_parts(spec, shape, lay, placement)
     terms = dict.fromkeys(TERMS, 0.0) | fixed
     for name, (term, units) in scaled.items():
         terms[term] += TPU_CONSTANTS[name] * units
@@ -422,7 +432,7 @@ def estimate(
             lay,
             rows,
             length,
-            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay).items()},
+            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay, placement).items()},
             float(placement.memory_gib_per_device),
             placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
             remat_of(spec),
