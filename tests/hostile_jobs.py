@@ -66,6 +66,25 @@ def regex_reward(pattern: str) -> Mutation:
     return grpo({"type": "regexFormat", "pattern": pattern})
 
 
+VERIFIER_URL = "spec.grpo.rewards[0].http.url"
+TOOL_URL = "spec.grpo.agent.tools[0].http.url"
+
+
+def verifier(url: str) -> Mutation:
+    return grpo({"type": "http", "http": {"url": url}})
+
+
+def http_tool(url: str, name: str = "capital", **http: Any) -> Mutation:
+    tool = {
+        "name": name,
+        "type": "http",
+        "description": "The capital of a country.",
+        "parameters": {"type": "object"},
+        "http": {"url": url, **http},
+    }
+    return grpo({"type": "exactAnswer"}, agent={"maxTurns": 2, "tools": [tool]})
+
+
 def lora(**settings: Any) -> Mutation:
     return put("spec.lora", settings)
 
@@ -344,6 +363,28 @@ CASES: list[Hostile] = [
     H("s3-scheme", DATA, put(DATA, "s3://bucket/data.jsonl")),
     H("http-metadata-server", MODEL, put(MODEL, "http://169.254.169.254/computeMetadata/v1/")),
     H("http-metadata-name", DATA, put(DATA, "http://metadata.google.internal/x")),
+    H(
+        "verifier-metadata-server",
+        VERIFIER_URL,
+        verifier("http://169.254.169.254/computeMetadata/v1/"),
+    ),
+    H("verifier-metadata-name", VERIFIER_URL, verifier("http://metadata.google.internal/x")),
+    H("verifier-credentials", VERIFIER_URL, verifier("https://user:pw@verifier.default.svc/score")),
+    H("verifier-token-in-query", VERIFIER_URL, verifier("https://verifier/score?token=abc")),
+    H("verifier-file-scheme", VERIFIER_URL, verifier("file:///etc/passwd")),
+    H("verifier-cluster-dns-ok", None, verifier("http://verifier.team.svc.cluster.local:8080/s")),
+    H("tool-metadata-ipv6", TOOL_URL, http_tool("http://[fe80::a9fe:a9fe]/latest/")),
+    H("tool-url-without-scheme", TOOL_URL, http_tool("tools.default.svc:8080/capital")),
+    H(
+        "tool-name-with-dash",
+        "spec.grpo.agent.tools[0].name",
+        http_tool("http://t/c", name="get-capital"),
+    ),
+    H(
+        "tool-secret-not-name-key",
+        "spec.grpo.agent.tools[0].http.authSecret.name",
+        http_tool("http://t/c", authSecret={"name": "tokens/prod", "key": "token"}),
+    ),
     H("gs-no-bucket", DATA, put(DATA, "gs:///data.jsonl")),
     H("gs-empty", OUT, put(OUT, "gs://")),
     H("gs-ip-bucket", MODEL, put(MODEL, "gs://169.254.169.254/m")),

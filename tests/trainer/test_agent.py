@@ -23,7 +23,7 @@ from verifier_server import VerifierServer
 
 from posttrain.api.spec import AgentSpec, GrpoSpec
 from posttrain.trainer import tool_calls
-from posttrain.trainer.agent_rollout import AgentRollout, PinnedTokenizer
+from posttrain.trainer.agent_rollout import AgentRollout, PinnedTokenizer, step_metrics
 from posttrain.trainer.data.tokenizer import load_tokenizer
 from posttrain.trainer.tool_calls import Call
 from posttrain.trainer.tools import Toolbox
@@ -253,7 +253,9 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
     assert "error: no tool named 'web' (tools: calc)" in out.text[1]
     assert out.completion_mask[2].sum() == len(enc("7")) + 1  # one turn, no tools
     assert len(policy.contexts) == 2  # episode 0 and 1 took two turns; nobody a third
-    assert rollout.take_metrics() == {"turns": 5 / 3, "tool_calls": 2.0, "tool_errors": 1.0}
+    assert out.per_episode["episode_turns"].tolist() == [2, 2, 1]
+    assert out.per_episode["episode_tool_errors"].tolist() == [0, 1, 0]
+    assert step_metrics(out.per_episode) == {"turns": 5 / 3, "tool_calls": 2.0, "tool_errors": 1.0}
     assert out.left_padded_prompt_tokens.shape == (3, 1200)
     assert out.left_padded_prompt_tokens[0, -len(first_context) :].tolist() == first_context
 
@@ -350,3 +352,32 @@ def test_posttrain_run_of_episodes_with_tools_and_a_verifier(tmp_path):
     assert all("# Tools" not in i["completion"] for i in items)
     assert all(i["prompt"].startswith("<|im_start|>") or "What is" in i["prompt"] for i in items)
     Path(tmp_path / "out").exists()
+
+
+def test_status_progress_carries_episode_and_verifier_metrics():
+    """status.progress.rollout (validated by the status schema) has the step's turns,
+    tool calls and errors, and the verifier's failures and time."""
+    from posttrain.api.spec import Progress as ProgressStatus
+    from posttrain.trainer.progress import Progress
+
+    class Status:
+        patches: list = []
+
+        def patch(self, progress):
+            self.patches.append(progress)
+
+    status = Status()
+    progress = Progress(2, 0, True, None, status, show_bar=False)
+    metrics = {"loss": 0.0, "reward": 0.5, "turns": 1.5, "tool_calls": 3.0, "tool_errors": 1.0}
+    metrics |= {"reward_failures": 2.0, "reward_service_seconds": 0.25}
+    progress.step(2, metrics, log_now=True)
+    (patch,) = status.patches
+    assert patch["rollout"] == {
+        "turns": 1.5,
+        "toolCalls": 3.0,
+        "toolErrors": 1.0,
+        "rewardFailures": 2.0,
+        "rewardServiceSeconds": 0.25,
+    }
+    assert ProgressStatus.model_validate(patch).rollout["toolErrors"] == 1.0
+    progress.close(2, metrics)

@@ -31,10 +31,30 @@ def service_url_error(value: str) -> str | None:
         return f"must not hold a query string or fragment (? or #); {CREDENTIALS_HINT}"
     if not _HOST.fullmatch(host):
         return f"host {host!r} is not a host name or address (host or host:port)"
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if _metadata_server(name.strip("[]").lower()):
+        return (
+            f"host {name} is the cloud metadata server (link-local): its answers hold the "
+            "node's credentials and would reach the model and its logs"
+        )
     port = host.rpartition(":")[2] if not host.endswith("]") and ":" in host else None
     if port is not None and not 0 < int(port) < 65536:
         return f"port {port} is not a port (1-65535)"
     return None
+
+
+def _metadata_server(host: str) -> bool:
+    """The cloud metadata server, by name or by a link-local address (169.254.0.0/16,
+    fe80::/10, AWS's fd00:ec2::254)."""
+    import ipaddress
+
+    if host.rstrip(".") in ("metadata.google.internal", "metadata", "instance-data"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_link_local or address == ipaddress.ip_address("fd00:ec2::254")
 
 
 def reward_auth_env(index: int) -> str:

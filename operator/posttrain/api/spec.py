@@ -1098,7 +1098,10 @@ class Progress(KubeModel):
     rollout: dict[str, float] | None = None
     """GRPO with a disaggregated sampler: staleness (policy versions between the rollouts
     trained on and the learner), samplerBusy and learnerBusy (fractions of the wall time),
-    weightSyncSeconds (the last sync of trainable weights to the sampler)."""
+    weightSyncSeconds (the last sync of trainable weights to the sampler). With
+    spec.grpo.agent: turns (mean per episode), toolCalls and toolErrors of the step. With
+    an http reward: rewardFailures (rollouts dropped, no reward) and rewardServiceSeconds
+    (time spent waiting on the verifier)."""
 
     goodput: float | None = None
     """Fraction of the run's wall time, over every restart, spent on optimizer steps it

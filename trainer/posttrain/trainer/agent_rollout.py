@@ -62,6 +62,7 @@ class Episodes:
     left_padded_prompt_tokens: np.ndarray  # [episodes, maxPromptLength]
     completion_ids: np.ndarray  # [episodes, maxCompletionLength]
     completion_mask: np.ndarray  # 1 on the model's tokens, 0 on tools' and padding
+    per_episode: dict[str, np.ndarray]  # turns, tool_calls, tool_errors of each episode
 
 
 def widen(rollout_config: Any, g: Any) -> None:
@@ -93,8 +94,6 @@ class AgentRollout:
         self.prompt_length = int(g.max_prompt_length)
         self.budget = int(g.max_completion_length)
         self.instructions = self.format.instructions(self.toolbox.schemas())
-        self.turns = 0.0  # mean turns per episode, summed over calls since last taken
-        self.calls_seen = 0
         self.said_cut = False
 
     def run(
@@ -110,7 +109,7 @@ class AgentRollout:
         completion: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
         own: list[list[int]] = [[] for _ in range(n)]
-        turns = [0] * n
+        turns, calls_made, errors = [0] * n, [0] * n, [0] * n
         active = [True] * n
         keys = [f"\x00posttrain-episode-{i}" for i in range(n)]
         for turn in range(self.max_turns):
@@ -141,21 +140,27 @@ class AgentRollout:
                 if not calls or last or len(completion[i]) >= self.budget:
                     active[i] = False
                     continue
+                before = self.toolbox.errors
                 results = [self.toolbox.run(c) for c in calls]
+                calls_made[i] += len(calls)
+                errors[i] += self.toolbox.errors - before
                 message = tok.tokenizer.encode(self.format.result_turn(results))
                 message = message[: self.budget - len(completion[i])]
                 completion[i] += message
                 mask[i] += [0] * len(message)
                 if len(completion[i]) >= self.budget:
                     active[i] = False
-        self.turns += float(np.mean(turns)) if turns else 0.0
-        self.calls_seen += 1
         return Episodes(
             text=[tok.tokenizer.decode(c, skip_special_tokens=True) for c in completion],
             tokens=own,
             left_padded_prompt_tokens=_left_padded(prompt_ids, self.prompt_length, pad),
             completion_ids=_right_padded(completion, self.budget, pad),
             completion_mask=_right_padded(mask, self.budget, 0),
+            per_episode={
+                "episode_turns": np.asarray(turns, np.int32),
+                "episode_tool_calls": np.asarray(calls_made, np.int32),
+                "episode_tool_errors": np.asarray(errors, np.int32),
+            },
         )
 
     def _prompt_ids(self, prompt: str) -> list[int]:
@@ -170,12 +175,17 @@ class AgentRollout:
             )  # fmt: skip
         return ids[-self.prompt_length :]
 
-    def take_metrics(self) -> dict[str, float]:
-        """turns (mean per episode), tool_calls and tool_errors since the last call."""
-        calls, errors = self.toolbox.take_counts()
-        turns = self.turns / self.calls_seen if self.calls_seen else 0.0
-        self.turns, self.calls_seen = 0.0, 0
-        return {"turns": turns, "tool_calls": float(calls), "tool_errors": float(errors)}
+
+def step_metrics(rolled: Mapping[str, Any]) -> dict[str, float]:
+    """A step's turns (mean per episode), tool calls and tool errors, from the rollout's
+    own per-episode counts (so asynchronous rollouts report the step they train)."""
+    if "episode_turns" not in rolled:
+        return {}
+    return {
+        "turns": float(np.mean(rolled["episode_turns"])),
+        "tool_calls": float(np.sum(rolled["episode_tool_calls"])),
+        "tool_errors": float(np.sum(rolled["episode_tool_errors"])),
+    }
 
 
 def _left_padded(rows: list[list[int]], width: int, pad: int) -> np.ndarray:

@@ -464,6 +464,7 @@ class GrpoRun:
             "rewards": parts,
             "total": np.asarray(info["rewards"], np.float32),
             "texts": np.asarray(out.text, dtype=object),
+            **getattr(out, "per_episode", {}),
         }
 
     def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -538,7 +539,7 @@ class GrpoRun:
             if name in rolled:
                 out[name] = rolled[name]
         out.update(reward_failures.service_seconds(self.reward_fns))
-        out.update(self.agent.take_metrics() if self.agent is not None else {})
+        out.update(agent_rollout.step_metrics(rolled))
         parts = out.pop("reward_parts")
         for j, name in enumerate(self.reward_names):
             out[f"reward/{name}"] = parts[j]

@@ -51,12 +51,19 @@ def _on_bar(metrics: dict[str, float]) -> dict[str, str]:
     return {name: fmt.format(metrics[k]) for k, (name, fmt) in chosen.items() if k in metrics}
 
 
-# GRPO's sampler metrics (posttrain.trainer.rl_placement) in status.progress.rollout.
+# GRPO's rollout metrics (the sampler's, rl_placement; episodes' and verifier services')
+# in status.progress.rollout.
 ROLLOUT_METRICS = {
     "staleness": "staleness",
     "sampler_busy": "samplerBusy",
     "learner_busy": "learnerBusy",
     "weight_sync_seconds": "weightSyncSeconds",
+    # spec.grpo.agent and verifier services (agent_rollout, reward_service)
+    "turns": "turns",
+    "tool_calls": "toolCalls",
+    "tool_errors": "toolErrors",
+    "reward_failures": "rewardFailures",
+    "reward_service_seconds": "rewardServiceSeconds",
 }
 
 
