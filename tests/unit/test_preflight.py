@@ -398,3 +398,21 @@ def test_the_tpu_trainer_image_carries_the_compiler_of_the_tpu_compile_extra():
     (pinned,) = [p for p in pins if p.startswith("libtpu==")]
     assert pinned.removeprefix("libtpu==").startswith(prefix + ".")
     assert "ACCELERATOR" in (root / "Dockerfile.trainer").read_text()
+
+
+def test_a_preflight_answer_does_not_date_the_phase():
+    """The job stays Pending while its preflight answers: its phase's time is that of
+    the phase's conditions, not the Preflight condition's."""
+    from posttrain.controller import metrics
+
+    pending = conditions_for(Observation("Pending", "Preflight", "m"), [], NOW, 1)
+    later = "2026-01-01T00:12:00Z"
+    body = {
+        "metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "phase": "Pending",
+            "conditions": pf.with_condition(pending, {"result": "Fits"}, later, 1),
+        },
+    }
+    entered = metrics.phase_entered(body, None, 1e10)
+    assert entered == metrics._timestamp(NOW)

@@ -18,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
+from posttrain.controller.phase.model import CONDITION_TYPES
+
 RECONCILES = Counter("posttrain_reconciles_total", "Handler invocations", ["handler"])
 ERRORS = Counter("posttrain_reconcile_errors_total", "Handler invocations that raised", ["handler"])
 LATENCY = Histogram("posttrain_reconcile_seconds", "Handler latency", ["handler"])
@@ -88,10 +90,12 @@ def _timestamp(text: Any) -> float | None:
 
 
 def _newest_transition(body: dict[str, Any]) -> float | None:
+    # The phase's conditions only: the Preflight condition flips while the job stays Pending.
     times = [
         t
         for c in (body.get("status") or {}).get("conditions") or []
-        if (t := _timestamp(c.get("lastTransitionTime"))) is not None
+        if c.get("type") in CONDITION_TYPES
+        and (t := _timestamp(c.get("lastTransitionTime"))) is not None
     ]
     return max(times) if times else _timestamp(body.get("metadata", {}).get("creationTimestamp"))
 
