@@ -6,8 +6,9 @@ the answer to its termination message as JSON (`--result`), which the operator r
 
 The pod reads the job as the trainer does: its config in the pod's own annotation,
 mounted by a downwardAPI volume; the model's (and a teacher's) config.json from its
-gs:// or hf:// source (`--fetch-configs`, no weights), with the job's HF token. It runs as the namespace's trainer ServiceAccount
-without its token (it calls no API), on CPU nodes (no TPU requested, no TPU toleration).
+gs:// or hf:// source (`--fetch-configs`, no weights), with the job's HF token. It runs
+as the namespace's trainer ServiceAccount without its token (it calls no Kubernetes
+API), on CPU nodes (no TPU requested, no TPU toleration).
 
 `program_key` names the compiled program: a hash of the spec fields that change it and
 of the image (its compiler), so that a job that differs only in its steps, its data
