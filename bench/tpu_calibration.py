@@ -292,7 +292,7 @@ def fit(table: dict) -> dict[str, float]:
             continue
         placement = catalog.resolve(r.spec.resources.accelerator)
         lay = capacity.layout(r.spec, placement)
-        fixed, scaled = capacity.tpu_parts(r.spec, capacity.shape_of(r.spec), lay, placement)
+        fixed, scaled = capacity.tpu_parts(r.spec, capacity.shape_of(r.spec), lay)
         total = r.compiler * capacity.GIB
         a.append([scaled[n][1] / total for n in names])
         b.append((total - sum(fixed.values())) / total)

@@ -43,7 +43,17 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
   moments and every layer's activations; the images' soft tokens are part of maxLength already. Not checked
   against XLA (test_capacity_xla.py covers the text steps).
 
-The per-token, per-attention-element and per-logit byte counts are XLA's own figures for
+On a TPU the terms are the TPU compiler's instead (compiler_of, tpu_parts): what the step
+holds as it is (masters or frozen base, optimizer moments, adapters, the accumulator,
+reference or teacher, rollout cache, vision tower) plus TPU_CONSTANTS, each scaling one
+physical quantity, fitted on bench/tpu_memory_table.json (the trainer's steps at published
+shapes compiled by libtpu for each job's topology; bench/tpu_calibration.py). Dense
+attention has no [heads, L, L] term there: the table's two dense steps (GRPO's learner)
+show none the fit can carry. Admission refuses a TPU job above TPU_REFUSE_ABOVE x HBM
+(tests/unit/test_capacity_tpu_table.py holds both to the table).
+
+Elsewhere (a GPU job, which XLA:GPU cannot compile without a GPU, and a CPU job's host
+estimate) the per-token, per-attention-element and per-logit byte counts are XLA's own figures for
 the trainer's steps, compiled as the trainer runs them (posttrain.trainer.step_memory:
 its optimizer chain with gradient clipping, accumulation, remat, reference or teacher):
 tests/trainer/test_capacity_xla.py compiles the SFT (full and LoRA), DPO, GRPO and
@@ -286,6 +296,11 @@ class MemoryEstimate:
             f"  {'total':<18}{self.total_gib:8.2f} GiB of {self.available_gib:g} GiB "
             f"({self.total_gib / self.available_gib:.0%})"
         )
+        if self.compiler == "tpu":
+            lines.append(
+                "terms calibrated to the TPU compiler; posttrain estimate --compile gives its "
+                "own figure"
+            )
         return "\n".join(lines)
 
 
@@ -332,7 +347,7 @@ def _rows_and_lengths(spec: PostTrainJobSpec, lay: Layout) -> tuple[int, int, in
 
 
 def tpu_parts(
-    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, placement: Placement
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout
 ) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
     """A TPU job's memory per device in two parts (bytes): what it holds as it is, by term,
     and for each of TPU_CONSTANTS the term it adds to and the quantity it scales
@@ -400,10 +415,8 @@ def tpu_parts(
     return fixed, scaled
 
 
-def _tpu_terms(
-    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, placement: Placement
-) -> dict[str, float]:
-    fixed, scaled = tpu_parts(spec, shape, lay, placement)
+def _tpu_terms(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout) -> dict[str, float]:
+    fixed, scaled = tpu_parts(spec, shape, lay)
     terms = dict.fromkeys(TERMS, 0.0) | fixed
     for name, (term, units) in scaled.items():
         terms[term] += TPU_CONSTANTS[name] * units
@@ -432,7 +445,7 @@ def estimate(
             lay,
             rows,
             length,
-            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay, placement).items()},
+            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay).items()},
             float(placement.memory_gib_per_device),
             placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
             remat_of(spec),
