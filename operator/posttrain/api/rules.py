@@ -359,13 +359,13 @@ REWARD_RULES: list[Rule] = [
 AGENT_RULES: list[Rule] = [
     Rule(
         "tools",
-        "self.maxTurns <= 1 || size(self.tools) > 0",
+        "self.maxTurns <= 1 || (has(self.tools) && size(self.tools) > 0)",
         lambda a: a.max_turns <= 1 or len(a.tools) > 0,
         "maxTurns above 1 needs tools (a turn without a tool call ends the episode)",
     ),
     Rule(
         "tools",
-        "self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
+        "!has(self.tools) || self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
         lambda a: len({t.name for t in a.tools}) == len(a.tools),
         "tool names must be unique",
     ),
