@@ -61,7 +61,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+OPENER = urllib.request.build_opener(_NoRedirect)  # also the http tools'
 
 
 class _Failed(Exception):
@@ -125,7 +125,7 @@ class HttpReward:
                     "%s: %d of %d completions got no reward from %s (%s); asking again",
                     self.field, len(pending), len(items), self.url, self.last_error,
                 )  # fmt: skip
-                self.sleep(_backoff(self.spec.retries + round_ - 1))
+                self.sleep(backoff(self.spec.retries + round_ - 1))
             self._score(items, pending, scores)
             pending = [i for i in pending if scores[i] is None]
             if len(pending) <= self.spec.max_failure_fraction * len(items):
@@ -170,7 +170,7 @@ class HttpReward:
         body = json.dumps({"items": items}).encode()
         for attempt in range(int(self.spec.retries) + 1):
             if attempt:
-                self.sleep(_backoff(attempt - 1))
+                self.sleep(backoff(attempt - 1))
             try:
                 return self._post_once(body, len(items))
             except _Failed as e:
@@ -183,7 +183,7 @@ class HttpReward:
     def _post_once(self, body: bytes, count: int) -> list[float | None]:
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
-            with _OPENER.open(request, timeout=float(self.spec.timeout_seconds)) as response:
+            with OPENER.open(request, timeout=float(self.spec.timeout_seconds)) as response:
                 raw = response.read()
         except urllib.error.HTTPError as e:
             retry = e.code >= 500 or e.code in _RETRY_STATUS
@@ -214,7 +214,8 @@ def _rewards(raw: bytes, count: int) -> list[float | None]:
     return out
 
 
-def _backoff(attempt: int) -> float:
+def backoff(attempt: int) -> float:
+    """The wait before try `attempt` + 1 of a request (also the http tools')."""
     return min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt)
 
 

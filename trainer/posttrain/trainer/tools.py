@@ -69,12 +69,12 @@ class HttpTool(_Declared):
         error = ""
         for attempt in range(int(self.http.retries) + 1):
             if attempt:
-                time.sleep(reward_service._backoff(attempt - 1))
+                time.sleep(reward_service.backoff(attempt - 1))
             request = urllib.request.Request(
                 str(self.http.url), data=body, headers=self.headers, method="POST"
             )
             try:
-                with reward_service._OPENER.open(
+                with reward_service.OPENER.open(
                     request, timeout=float(self.http.timeout_seconds)
                 ) as response:
                     return base_tool.ToolOutput(name=self.name, output=_answer(response.read()))
