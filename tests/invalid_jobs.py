@@ -301,13 +301,39 @@ CASES: list[Case] = [
             {
                 "agent": {
                     "tools": [
-                        {"name": "search", "type": "http", "description": "d", "parameters": {}}
+                        {
+                            "name": "search",
+                            "type": "http",
+                            "description": "d",
+                            "parameters": {"type": "object"},
+                        }
                     ]
                 }
             }
         ),
         "spec.grpo.agent.tools[0].http",
         "an http tool needs http",
+    ),
+    Case(
+        "grpo-agent-tool-parameters-not-an-object-schema",
+        _grpo(
+            {
+                "agent": {
+                    "tools": [
+                        {
+                            "name": "capital",
+                            "type": "python",
+                            "description": "d",
+                            "parameters": {"country": "string"},
+                            "function": "mytools:capital",
+                        }
+                    ]
+                }
+            }
+        ),
+        "spec.grpo.agent.tools[0].parameters",
+        "JSON schema of the arguments object",
+        server=False,
     ),
     Case(
         "grpo-agent-http-tool-url-with-credentials",

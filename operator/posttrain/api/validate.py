@@ -264,6 +264,14 @@ def spec_errors(job: PostTrainJob) -> list[FieldError]:
     for i, tool in enumerate(tools):
         if tool.function and (why := functions.function_error(tool.function, allowed)):
             errors.append(FieldError(f"spec.grpo.agent.tools[{i}].function", why))
+        if tool.parameters is not None and tool.parameters.get("type") != "object":
+            errors.append(
+                FieldError(
+                    f"spec.grpo.agent.tools[{i}].parameters",
+                    'is a JSON schema of the arguments object: {"type": "object", '
+                    '"properties": {...}}',
+                )
+            )
     meta = job.metadata
     errors += [
         FieldError(field, message)
