@@ -259,6 +259,17 @@ def test_resume_in_process_is_bitwise_identical(model_dir, reference, tmp_path):
     assert_bitwise_equal(adapter(out), adapter(reference[0]))
 
 
+def test_cpu_jobs_save_in_the_foreground_unless_the_job_says():
+    from posttrain.api.spec import CheckpointSpec
+    from posttrain.trainer.checkpoint import background_saves
+
+    unset = CheckpointSpec()
+    assert background_saves(unset, "tpu") and background_saves(unset, "gpu")
+    assert not background_saves(unset, "cpu")  # a second copy of the state in host memory
+    assert background_saves(CheckpointSpec.model_validate({"async": True}), "cpu")
+    assert not background_saves(CheckpointSpec.model_validate({"async": False}), "tpu")
+
+
 def test_corrupt_latest_checkpoint_is_skipped(model_dir, reference, tmp_path, caplog):
     out = tmp_path / "out"
     run_job(job_doc(model_dir, out))

@@ -48,7 +48,7 @@ from posttrain.trainer import (
     tracking,
 )
 from posttrain.trainer import mesh as mesh_lib
-from posttrain.trainer.checkpoint import Checkpoints
+from posttrain.trainer.checkpoint import Checkpoints, background_saves
 from posttrain.trainer.data.host_data import build_data, check_row_count
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.export import OutputDir, best_checkpoint, export_model
@@ -298,7 +298,9 @@ def run_steps(
     is_main = jax.process_index() == 0
     schedule = optim.learning_rate_schedule(spec.training)
     checkpoints = Checkpoints(
-        storage.join(spec.output.uri, "checkpoints"), spec.checkpoint.keep, spec.checkpoint.async_
+        storage.join(spec.output.uri, "checkpoints"),
+        spec.checkpoint.keep,
+        background_saves(spec.checkpoint, mesh.devices.flat[0].platform),
     )
     result = Result(step=0)
     # The restore target must carry the final layouts: every host then reads only its own
