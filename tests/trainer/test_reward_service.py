@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 from tb_events import scalars
+from tool_server import ToolServer
 from verifier_server import VerifierServer, free_port
 
 from posttrain.api.spec import HttpRewardSpec
@@ -28,6 +29,7 @@ from posttrain.trainer import reward_failures, reward_service
 from posttrain.trainer.reward_service import HttpReward, RewardServiceDown
 
 TOKEN = "s3cr3t-verifier-token"
+TOOL_TOKEN = "s3cr3t-tool-token"
 HERE = Path(__file__).resolve().parent
 
 
@@ -232,7 +234,8 @@ spec:
 # ------------------------------------------------------------------ posttrain run
 
 
-def _grpo_job(tmp_path: Path, url: str) -> Path:
+def _grpo_job(tmp_path: Path, url: str, tools_base: str) -> Path:
+    """A tiny multi-turn GRPO job: a calculator and an http tool, rewards from `url`."""
     from tiny_model import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "model")
@@ -248,8 +251,25 @@ def _grpo_job(tmp_path: Path, url: str) -> Path:
         "grpo": {
             "numGenerations": 2,
             "beta": 0.0,
-            "maxPromptLength": 32,
-            "maxCompletionLength": 3,
+            "maxPromptLength": 1200,  # the tools' instructions are part of the prompt
+            "maxCompletionLength": 12,
+            "agent": {
+                "maxTurns": 2,
+                "turnLength": 6,
+                "tools": [
+                    {"name": "calculator", "type": "calculator"},
+                    {
+                        "name": "capital",
+                        "type": "http",
+                        "description": "The capital of a country.",
+                        "parameters": {"type": "object"},
+                        "http": {
+                            "url": f"{tools_base}/capital",
+                            "authSecret": {"name": "tools", "key": "token"},
+                        },
+                    },
+                ],
+            },
             "rewards": [
                 {
                     "type": "http",
@@ -289,15 +309,18 @@ def _verifier(port: int, log: Path) -> subprocess.Popen:
 
 @pytest.mark.trainer
 def test_posttrain_run_drops_and_counts_rewards_while_the_verifier_is_down(tmp_path):
-    """The verifier is killed once it has scored step 1, and started again (same port)
-    once the trainer said it dropped rollouts: the run completes, the dropped rollouts
-    are counted in train/reward_failures, and the token is in no output."""
+    """A multi-turn job with tools: the verifier is killed once it has scored step 1, and
+    started again (same port) once the trainer said it dropped rollouts: the run
+    completes, the dropped rollouts are counted in train/reward_failures, and neither
+    token is in any output."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/score"
-    job = _grpo_job(tmp_path, url)
+    tools = ToolServer(TOOL_TOKEN).__enter__()
+    job = _grpo_job(tmp_path, url, tools.base)
     log = tmp_path / "verifier.log"
     verifier = _verifier(port, log)
     env = {**os.environ, "POSTTRAIN_REWARD_0_AUTH": TOKEN, "JAX_PLATFORMS": "cpu"}
+    env["POSTTRAIN_TOOL_CAPITAL_AUTH"] = TOOL_TOKEN
     trainer = subprocess.Popen(
         [sys.executable, "-m", "posttrain.cli", "run", str(job)],
         stdout=subprocess.PIPE,
@@ -324,9 +347,12 @@ def test_posttrain_run_drops_and_counts_rewards_while_the_verifier_is_down(tmp_p
     finally:
         trainer.kill()
         verifier.kill()
+        tools.__exit__()
     output = "".join(lines)
     assert restarted.is_set(), output
-    assert TOKEN not in output
+    assert TOKEN not in output and TOOL_TOKEN not in output
+    tb = scalars(tmp_path / "out" / "tensorboard")
+    assert sorted(tb["train/turns"]) == [1, 2, 3, 4]  # episodes ran every step
     failures = scalars(tmp_path / "out" / "tensorboard")["train/reward_failures"]
     print(f"\ntrain/reward_failures by step: {failures}")
     assert sum(failures.values()) >= 4 and failures[1] == 0, failures
