@@ -671,7 +671,9 @@ class CheckpointSpec(KubeModel):
     """Number of most recent checkpoints kept."""
 
     async_: bool = Field(default=True, alias="async")
-    """Write checkpoints in the background while training continues."""
+    """Write checkpoints in the background while training continues. Where the job leaves
+    it unset, a CPU job saves in the foreground: there a background save's copy of the
+    trained state is a second one in the host's memory."""
 
     keep_best: EvalMetric | None = None
     """Also keep the checkpoint with the best held-out value of this spec.eval metric
