@@ -19,6 +19,13 @@ run it in the background:
     python bench/memory.py > memory.txt 2>&1 &      # every case
     python bench/memory.py --case lora-8k-r64       # one case
     python bench/memory.py --list
+    python bench/memory.py --tpu --accumulation Qwen3-0.6B        # accumulation 4 / 1
+    python bench/memory.py --tpu --accumulation Qwen3-0.6B:4 --only sft-full  # 4 layers
+
+--accumulation compiles, for SFT, DPO, GRPO and distillation, full fine-tune and LoRA
+rank 16, each step with accumulation 1 and with accumulation 4 of the same micro-batch
+(remat layer, bf16, one v5e chip unless --accelerator), and prints both peaks and their
+ratio (goal: at most 1.15) with the model and the depth compiled.
 
 Rematerialised steps compile with XLA's memory-minimising CPU scheduler (see
 docs/user-guide.md, "Will it fit?": where XLA on CPU schedules differently from TPU/GPU).
@@ -116,6 +123,15 @@ CASES = {
 # accumulation 4 of a micro-batch: the case with that micro-batch and accumulation 1
 ACCUMULATED = {"sft-4k-accumulation-4": "sft-4k-remat",
                "sft-4k-no-remat-accumulation-4": "sft-4k-no-remat"}  # fmt: skip
+# --accumulation: technique changes, the micro-batch of one row (GRPO: one prompt's 4
+# completions) at 2k tokens
+ACCUMULATION_TECHNIQUES = {
+    "sft": {"technique": "sft"},
+    "dpo": {"technique": "dpo", "dpo": {"maxPromptLength": 512}},
+    "grpo": {"technique": "grpo", "grpo": {"numGenerations": 4, "maxPromptLength": 512,
+             "maxCompletionLength": 1536, "rewards": [{"type": "exactAnswer"}]}},
+    "distill": {"technique": "distill", "distill": {"teacher": {}}},  # the same model
+}  # fmt: skip
 WARN_SHARE = 0.75  # XLA's peak under this share of memory: admitted without a warning
 
 
@@ -214,6 +230,74 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
             "admission": admission_check(xla, est.available_gib, verdict)}  # fmt: skip
 
 
+def accumulation_doc(technique: str, lora: bool, accumulation: int, model: Path,
+                     layers: int | None, accelerator: str) -> dict:  # fmt: skip
+    """The --accumulation case: `accumulation` micro-batches of one row each."""
+    doc = {
+        "model": {"source": str(model), "dtype": "bfloat16", "layers": layers},
+        "data": {"source": "/data.jsonl", "maxLength": 2048},
+        "training": {"batchSize": accumulation, "gradientAccumulation": accumulation,
+                     "remat": "layer"},
+        "output": {"uri": "/out"},
+        "resources": {"accelerator": accelerator},
+    }  # fmt: skip
+    doc = _merge(doc, ACCUMULATION_TECHNIQUES[technique])
+    if technique == "distill":
+        doc["distill"]["teacher"] = {"source": str(model), "layers": layers}
+    if lora:
+        doc["lora"] = {"rank": 16}
+    if not os.environ.get("POSTTRAIN_BENCH_TPU"):
+        doc["training"]["attention"] = "dense"
+    return doc
+
+
+def compile_peak(doc: dict) -> dict:
+    """The case's per-device memory_analysis() in a child process (its peak in 'peak'),
+    or its error."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {REMAT_XLA_FLAGS}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "xla.json"
+        run = subprocess.run([sys.executable, __file__, "--child", json.dumps(doc), str(out)],
+                             env=env, capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            return {"error": (run.stderr.strip().splitlines() or ["?"])[-1]}
+        memory = json.loads(out.read_text())
+    from posttrain.trainer import step_memory
+
+    return {**memory, "peak": step_memory.peak_bytes(memory)}
+
+
+def accumulation_table(model: str, layers: int | None, accelerator: str, only: list[str],
+                       models_dir: Path) -> float:  # fmt: skip
+    """Prints accumulation 4 against 1 per technique, full and LoRA; the worst ratio."""
+    depth = layers or CONFIGS[model]["num_hidden_layers"]
+    where = "the TPU compiler" if os.environ.get("POSTTRAIN_BENCH_TPU") else "XLA:CPU"
+    print(f"{model}, {depth} layers, {accelerator}, {where}: peak per device, remat layer, "
+          "bf16, micro-batch of one row at 2k (GRPO: 4 completions of 512 + 1536)", flush=True)  # fmt: skip
+    worst = 0.0
+    for technique in ACCUMULATION_TECHNIQUES:
+        for lora in (False, True):
+            name = f"{technique}-{'lora' if lora else 'full'}"
+            if only and name not in only:
+                continue
+            peaks = [compile_peak(accumulation_doc(technique, lora, k, models_dir / model,
+                                                   layers, accelerator))
+                     for k in (1, 4)]  # fmt: skip
+            if any("error" in p for p in peaks):
+                print(f"{name:<14} failed: {[p.get('error') for p in peaks]}", flush=True)
+                worst = float("inf")
+                continue
+            one, four = (p["peak"] / 2**30 for p in peaks)
+            over = any("over" in p for p in peaks)
+            over = " (over HBM: the compiler's temporaries)" if over else ""
+            worst = max(worst, four / one)
+            print(f"{name:<14} accumulation 1 {one:6.2f} GiB  4 {four:6.2f} GiB  ratio "
+                  f"{four / one:.2f}  (compiled in {peaks[0]['seconds']:.0f} + "
+                  f"{peaks[1]['seconds']:.0f} s){over}", flush=True)  # fmt: skip
+    return worst
+
+
 def admission_check(xla: float, memory: float, verdict: str) -> str:
     """'right' or 'WRONG' where XLA puts the case over the device's memory (refused or
     warned is right) or under WARN_SHARE of it (admitted without a warning is right);
@@ -239,7 +323,22 @@ def main() -> int:
     parser.add_argument("--saved", type=Path, help="a JSON file of XLA's figures, read and "
                         "updated: a case compiled before (same spec) is not compiled again, so "
                         "a changed estimate is compared at once")  # fmt: skip
+    parser.add_argument("--accumulation", metavar="MODEL[:LAYERS]", help="accumulation 4 "
+                        "against 1 of the same micro-batch, per technique, full and LoRA, at "
+                        "the model's full depth or LAYERS")  # fmt: skip
+    parser.add_argument("--accelerator", default="v5e-1", help="with --accumulation")
+    parser.add_argument("--only", action="append", default=[], help="with --accumulation: "
+                        "sft-full, sft-lora, dpo-full, ... (repeatable)")  # fmt: skip
     args = parser.parse_args()
+    if args.accumulation:
+        if args.tpu:
+            os.environ["POSTTRAIN_BENCH_TPU"] = "1"
+        model, _, layers = args.accumulation.partition(":")
+        with tempfile.TemporaryDirectory() as tmp:
+            write_configs(Path(tmp))
+            worst = accumulation_table(model, int(layers) if layers else None,
+                                       args.accelerator, args.only, Path(tmp))  # fmt: skip
+        return 0 if worst <= 1.15 else 1
     if args.list:
         print("\n".join(CASES))
         return 0
