@@ -11,7 +11,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,10 +52,14 @@ _CORPUS = [
 
 
 def make_tokenizer_dir(
-    path: Path, *, chat_template: str | None = CHATML_SMOL, vocab_size: int = 400
+    path: Path,
+    *,
+    chat_template: str | None = CHATML_SMOL,
+    vocab_size: int = 400,
+    corpus: Sequence[str] = (),
 ) -> Path:
-    """Write tokenizer.json (byte-level BPE trained on a few sentences) and
-    tokenizer_config.json (ChatML special tokens and chat template) into path."""
+    """Write tokenizer.json (byte-level BPE trained on a few sentences, and on `corpus`)
+    and tokenizer_config.json (ChatML special tokens and chat template) into path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -67,7 +71,7 @@ def make_tokenizer_dir(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator([*_CORPUS, *corpus] * 4, trainer=trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     config: dict[str, object] = {

@@ -5,6 +5,7 @@ data_helpers (vocab 400, ChatML template)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,15 @@ from data_helpers import make_tokenizer_dir
 
 
 def make_tiny_llama(
-    path: Path, *, vocab: int = 400, hidden: int = 32, layers: int = 2, seed: int = 0
+    path: Path,
+    *,
+    vocab: int = 400,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    corpus: Sequence[str] = (),
 ) -> Path:
+    """The checkpoint; its tokenizer also learns `corpus`'s texts (shorter sequences)."""
     from safetensors.numpy import save_file
 
     heads, kv_heads, head_dim, inter = 4, 2, hidden // 4, 64
@@ -61,5 +69,5 @@ def make_tiny_llama(
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    make_tokenizer_dir(path, vocab_size=vocab)
+    make_tokenizer_dir(path, vocab_size=vocab, corpus=corpus)
     return path
