@@ -200,7 +200,9 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
     doc = spec_doc(name, models_dir)
     spec = PostTrainJobSpec.model_validate(doc)
     placement = catalog.resolve(spec.resources.accelerator)
-    est = capacity.estimate(spec, placement)
+    # the estimate calibrated to the compiler this run compares with
+    compiler = "tpu" if os.environ.get("POSTTRAIN_BENCH_TPU") else "xla-cpu"
+    est = capacity.estimate(spec, placement, compiler=compiler)
     flags = REMAT_XLA_FLAGS if capacity.remat_of(spec) != "none" else ""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
@@ -223,7 +225,7 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
         memory = json.loads(out.read_text())
     saved[key] = memory
     xla = step_memory.peak_bytes(memory) / capacity.GIB
-    verdict, _ = capacity.admission(spec, placement)
+    verdict, _ = capacity.admission(spec, placement, compiler)
     return {"name": name, "estimate": est.total_gib, "xla": xla, "ratio": est.total_gib / xla,
             "seconds": memory["seconds"], "terms": est.terms, "line": est.explain(),
             "memory": est.available_gib, "verdict": verdict,
