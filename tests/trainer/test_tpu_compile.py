@@ -139,6 +139,33 @@ def test_several_slices_compile_on_one_mesh_over_them(models_dir, tmp_path, caps
     assert "v5e-4 (v5e:2x2, 2 slices, 8 chips)" in out and "2 x 4 (dp x fsdp)" in out
 
 
+@needs_libtpu
+def test_grpo_compiles_its_sampler_beside_the_train_step(models_dir):
+    """GRPO's sampler (Tunix's decoding loop) compiled for the job's devices: its
+    arguments hold the policy and the KV cache of every rollout; colocated, it is held to
+    the HBM the optimizer's state leaves."""
+    from posttrain import catalog
+    from posttrain.trainer import tpu_compile
+
+    grpo = {"numGenerations": 16, "maxPromptLength": 64, "maxCompletionLength": 1024,
+            "rewards": [{"type": "exactAnswer"}]}  # fmt: skip
+    doc = _doc(models_dir / "qwen3", "v5e-1", technique="grpo", lora={"rank": 8}, grpo=grpo,
+               training={"batchSize": 2})  # fmt: skip
+    report = tpu_compile.compile_report(PostTrainJobSpec.model_validate(doc),
+                                        catalog.resolve("v5e-1"))  # fmt: skip
+    text = "\n".join(report.lines)
+    assert report.fits and "GRPO's sampler on the trainer's devices" in text, text
+    assert "HBM left beside the optimizer's state" in text
+    c = QWEN3
+    kv = (
+        2 * 16 * (64 + 1024) * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"]
+    )
+    weights = 2 * c["vocab_size"] * c["hidden_size"]  # bf16 embedding, the largest weight
+    args = report.sampler.memory["argument"]
+    assert kv + weights <= args <= 2 * (kv + weights) + (8 << 20), (args, kv, weights)
+    assert report.summary()["samplerPeakGiB"] > 0
+
+
 def test_a_cpu_job_compiles_with_xla_cpu(models_dir, tmp_path, capsys):
     code = cli.main(["estimate", "--compile", _job_file(tmp_path, _doc(models_dir / "llama",
                                                                        "cpu"))])  # fmt: skip

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -146,14 +147,16 @@ def out_of_memory(message: str) -> tuple[int | None, int | None] | None:
     return size(need), size(have)
 
 
-def compile_program(name: str, spec: PostTrainJobSpec, mesh: Any) -> Program:
-    """The job's train step compiled for `mesh`: its figures, or the compiler's
-    out-of-memory figures (any other error is raised)."""
+def compile_program(
+    name: str, spec: PostTrainJobSpec, mesh: Any, compile: Callable[..., Any] | None = None
+) -> Program:
+    """The job's train step (or what `compile(spec, mesh)` compiles) compiled for `mesh`:
+    its figures, or the compiler's out-of-memory figures (any other error is raised)."""
     from posttrain.trainer import step_memory
 
     started = time.monotonic()
     try:
-        compiled = step_memory.compile_step(spec, mesh)
+        compiled = (compile or step_memory.compile_step)(spec, mesh)
     except Exception as e:  # XlaRuntimeError: only out of memory is an answer
         found = out_of_memory(str(e))
         if found is None:
@@ -178,6 +181,7 @@ class Report:
     program: Program | None = None  # the compiled train step's figures
     limit_bytes: float | None = None  # the memory per device it is held to
     compiler: str | None = None  # e.g. "libtpu 0.0.42.1", "XLA:CPU"
+    sampler: Program | None = None  # GRPO's sampler, compiled beside the train step
 
     def summary(self) -> dict[str, Any]:
         """The answer as JSON-able figures (GiB per device): what the operator's
@@ -199,6 +203,8 @@ class Report:
             out["flops"] = program.flops
         if program.error:
             out["error"] = program.error
+        if self.sampler is not None and self.sampler.peak is not None:
+            out["samplerPeakGiB"] = round(self.sampler.peak / gib, 3)
         return out
 
 
@@ -310,6 +316,34 @@ def local_configs(spec: PostTrainJobSpec, scratch: Any) -> PostTrainJobSpec:
     return spec.model_copy(update=update)
 
 
+def _add_sampler(report: Report, spec: PostTrainJobSpec, devices: list[Any], mesh: Any,
+                 limit: float, placement: Placement) -> bool:  # fmt: skip
+    """GRPO's sampler (sampler_memory) compiled where it runs: on the trainer's devices
+    beside the optimizer's state (colocated), or on the devices the trainer leaves it
+    (disaggregated). Its lines go into `report`; returns whether it fits."""
+    from posttrain.trainer import models, sampler_memory
+
+    trainer_devices = set(mesh.devices.flat)
+    rest = [d for d in devices if d not in trainer_devices]
+    sampler_mesh = models.make_mesh(devices=rest) if rest else mesh
+    held = [0]
+
+    def compile(spec: PostTrainJobSpec, mesh: Any) -> Any:
+        compiled, held[0] = sampler_memory.compile_sampler(spec, mesh)
+        return compiled
+
+    where = f"its {len(rest)} devices" if rest else "the trainer's devices"
+    program = compile_program(f"GRPO's sampler on {where}", spec, sampler_mesh, compile)
+    room, room_name = limit, "HBM"
+    if not rest:  # colocated: the optimizer's state stays on the devices while it samples
+        room -= held[0]
+        room_name = f"HBM left beside the optimizer's state ({held[0] / capacity.GIB:.2f} GiB)"
+    lines, fits = describe(program, room, room_name, 0.0, placement.generation or "the chip")
+    report.lines += lines
+    report.sampler = program
+    return fits
+
+
 def compile_report(spec: PostTrainJobSpec, placement: Placement) -> Report:
     """Compile the job's train step for its accelerator and say whether it fits."""
     from posttrain.api import model_shapes
@@ -377,6 +411,9 @@ def compile_report(spec: PostTrainJobSpec, placement: Placement) -> Report:
     report.fits = fits
     report.program, report.limit_bytes = program, limit
     report.compiler = f"libtpu {libtpu_version()}"
+    if str(spec.technique) == "grpo":
+        sampler_fits = _add_sampler(report, spec, devices, mesh, limit, placement)
+        report.fits = fits and sampler_fits
     est = capacity.estimate(spec, placement)
     if est is not None:
         report.lines.append(
