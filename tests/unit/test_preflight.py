@@ -307,6 +307,20 @@ def test_the_status_carries_the_figures_and_says_them():
     assert compiling["result"] == "Compiling" and "compiling the train step" in compiling["message"]
 
 
+def test_a_grpo_sampler_that_does_not_fit_is_named():
+    figures = {"peakGiB": 9.5, "hbmGiB": 15.75, "samplerPeakGiB": 21.0,
+               "compiler": "libtpu 0.0.42.1"}  # fmt: skip
+    out = pf.status_fields(pf.Answer(pf.DOES_NOT_FIT, figures), KEY, "j", NOW, "v5e-1")
+    assert out["samplerPeakGiB"] == 21.0
+    assert (
+        "needs 21.00 GiB per device for GRPO's sampler (the train step: 9.50 GiB)"
+        in (out["message"])
+    ), out["message"]
+    fits = pf.status_fields(pf.Answer(pf.FITS, figures | {"samplerPeakGiB": 7.0}), KEY, "j",
+                            NOW, "v5e-1")  # fmt: skip
+    assert "and GRPO's sampler in 7.00 GiB" in fits["message"]
+
+
 def test_the_condition_follows_the_answer():
     first = pf.with_condition([], {"result": "Compiling", "message": "c"}, NOW, 1)
     assert first == [{"type": "Preflight", "status": "Unknown", "reason": "Compiling",

@@ -1180,6 +1180,10 @@ class PreflightStatus(KubeModel):
     compiler: str | None = None
     """The compiler that answered (libtpu's version)."""
 
+    sampler_peak_gi_b: float | None = Field(default=None, alias="samplerPeakGiB")
+    """GRPO: the sampler's total per device (its decoding loop with the rollouts' KV
+    cache), with the optimizer's state that stays beside it when colocated."""
+
     start_time: str | None = None
     """When the preflight Job was made (RFC 3339)."""
 

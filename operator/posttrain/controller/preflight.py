@@ -37,7 +37,7 @@ CACHE_ENTRIES = 256  # the most answers one namespace's cache keeps (the oldest 
 STUCK = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",
          "CreateContainerConfigError", "CreateContainerError"}  # fmt: skip
 FIGURES = ("peakGiB", "hbmGiB", "argumentsGiB", "temporariesGiB", "outputsGiB", "flops",
-           "compiler")  # fmt: skip
+           "compiler", "samplerPeakGiB")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -222,11 +222,17 @@ def describe(answer: Answer, accelerator: str) -> str:
              ("temporaries", "temporariesGiB"), ("outputs", "outputsGiB")) if k in f]  # fmt: skip
     terms = ", ".join(f"{n} {_gib(v)}" for n, v in parts)
     cached = " (cached: the same program was compiled before)" if answer.cached else ""
+    sampler = f.get("samplerPeakGiB")  # GRPO's sampler, with what stays beside it
     if answer.result == FITS:
+        also = f" and GRPO's sampler in {_gib(sampler)}" if sampler is not None else ""
         return (f"the TPU compiler{by} fits the train step in {_gib(f.get('peakGiB'))} per "
-                f"device ({terms}) of {_gib(f.get('hbmGiB'))} HBM on {accelerator}{cached}")  # fmt: skip
+                f"device ({terms}){also} of {_gib(f.get('hbmGiB'))} HBM on {accelerator}{cached}")  # fmt: skip
     if answer.result == DOES_NOT_FIT:
-        if parts:
+        step_fits = (f.get("peakGiB") or 0) <= (f.get("hbmGiB") or 0)
+        if sampler is not None and step_fits:
+            need = (f"{_gib(sampler)} per device for GRPO's sampler (the train step: "
+                    f"{_gib(f.get('peakGiB'))})")  # fmt: skip
+        elif parts:
             need = f"{_gib(f.get('peakGiB'))} per device ({terms})"
         else:
             need = f"{_gib(f.get('peakGiB'))} per device for its temporaries alone"

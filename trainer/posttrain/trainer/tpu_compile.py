@@ -182,6 +182,7 @@ class Report:
     limit_bytes: float | None = None  # the memory per device it is held to
     compiler: str | None = None  # e.g. "libtpu 0.0.42.1", "XLA:CPU"
     sampler: Program | None = None  # GRPO's sampler, compiled beside the train step
+    sampler_beside: int = 0  # bytes that stay on the sampler's devices (optimizer state)
 
     def summary(self) -> dict[str, Any]:
         """The answer as JSON-able figures (GiB per device): what the operator's
@@ -204,7 +205,7 @@ class Report:
         if program.error:
             out["error"] = program.error
         if self.sampler is not None and self.sampler.peak is not None:
-            out["samplerPeakGiB"] = round(self.sampler.peak / gib, 3)
+            out["samplerPeakGiB"] = round((self.sampler.peak + self.sampler_beside) / gib, 3)
         return out
 
 
@@ -340,7 +341,7 @@ def _add_sampler(report: Report, spec: PostTrainJobSpec, devices: list[Any], mes
         room_name = f"HBM left beside the optimizer's state ({held[0] / capacity.GIB:.2f} GiB)"
     lines, fits = describe(program, room, room_name, 0.0, placement.generation or "the chip")
     report.lines += lines
-    report.sampler = program
+    report.sampler, report.sampler_beside = program, (0 if rest else held[0])
     return fits
 
 
