@@ -32,32 +32,6 @@ HBM_BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v6 lite": 1640e9,
                  "TPU v5p": 2765e9, "TPU v4": 1200e9}  # fmt: skip
 
 
-class RandomPromptTokenizer:
-    """The tokenizer Tunix's sampler takes (encode, decode, bos/eos/pad ids): every
-    prompt encodes to ``length`` fixed random token ids; no token ends a sequence, so
-    every sequence decodes ``--new-tokens`` tokens."""
-
-    def __init__(self, vocab: int, length: int):
-        import numpy as np
-
-        self._ids = np.random.default_rng(0).integers(3, vocab, length).tolist()
-
-    def encode(self, text: str, **kwargs) -> list[int]:
-        return list(self._ids)
-
-    def decode(self, ids, **kwargs) -> str:
-        return ""
-
-    def bos_id(self) -> None:
-        return None
-
-    def eos_id(self) -> int:
-        return 1
-
-    def pad_id(self) -> int:
-        return 0
-
-
 def bytes_per_decode_step(info, params_bytes: int, sequences: int, context: float) -> dict:
     """What one decode step must read: the weights (minus the embedding table, of which
     it reads ``sequences`` rows, unless tied to the output projection) and the KV cache
@@ -72,12 +46,14 @@ def bytes_per_decode_step(info, params_bytes: int, sequences: int, context: floa
 def run(args: argparse.Namespace) -> dict:
     import jax
     import memory
+    import numpy as np
     from flax import nnx
     from tpu import random_model
     from tunix.generate import sampler as tunix_sampler
     from tunix.rl.rollout import base_rollout
 
     from posttrain.trainer import models
+    from posttrain.trainer.sampler_memory import StubTokenizer
 
     device = jax.devices()[0]
     mesh = models.make_mesh(devices=[device])
@@ -100,7 +76,9 @@ def run(args: argparse.Namespace) -> dict:
             num_kv_heads=info.num_kv_heads,
             head_dim=info.head_dim,
         )
-        tokenizer = RandomPromptTokenizer(info.vocab_size, args.prompt)
+        # Every prompt is the same random ids; no token ends a sequence early (1 is the end).
+        ids = np.random.default_rng(0).integers(3, info.vocab_size, args.prompt)
+        tokenizer = StubTokenizer(ids.tolist())
         sampler = tunix_sampler.Sampler(model, tokenizer, cache)
         prompts = [f"prompt {i}" for i in range(args.sequences)]
 

@@ -58,26 +58,10 @@ make_tokenizer_dir(root / "model")
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "wise",
-        "owls",
-        "count",
-        "stars",
-    ]
+    sentence = "the quick brown fox jumps over a lazy dog while seven wise owls count stars"
     with (root / "rows.jsonl").open("w") as f:
-        for i in range(256):
-            text = " ".join(words[(i + j) % len(words)] for j in range(4 * args.seq))
+        for i in range(256):  # each row is longer than --seq tokens: truncated, it fills one
+            text = " ".join(f"{sentence} {i + j}" for j in range(args.seq // 8))
             f.write(json.dumps({"prompt": f"Row {i}.", "completion": text}) + "\n")
     return root / "model"
 

@@ -24,11 +24,15 @@ from posttrain.trainer import lora, models, optim, step_memory
 from posttrain.trainer.policy import DTYPES
 
 
-class _Tokenizer:
-    """What Tunix's sampler asks of a tokenizer while it builds its programs."""
+class StubTokenizer:
+    """What Tunix's sampler asks of a tokenizer: every text encodes to `ids`, nothing
+    decodes, token 1 ends a sequence and 0 pads."""
+
+    def __init__(self, ids: Any = ()):
+        self.ids = list(ids)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
-        return []
+        return list(self.ids)
 
     def decode(self, ids: Any, **kwargs: Any) -> str:
         return ""
@@ -71,7 +75,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, 
         length = g.max_prompt_length + g.max_completion_length
         cache = base_rollout.CacheConfig(cache_size=length, num_layers=info.num_layers,
                                          num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)  # fmt: skip
-        sampler = tunix_sampler.Sampler(models.without_remat(model), _Tokenizer(), cache)
+        sampler = tunix_sampler.Sampler(models.without_remat(model), StubTokenizer(), cache)
         sampler.eos_ids = np.array([1], np.int32)  # no eager array on compile-only devices
         rows = t.batch_size * g.num_generations
         prompts = jax.ShapeDtypeStruct((rows, g.max_prompt_length), jnp.int32)
