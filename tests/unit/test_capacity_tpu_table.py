@@ -28,7 +28,7 @@ def test_the_table_covers_the_published_shapes_techniques_and_topologies():
                                            "Llama-3.2-1B", "Llama-3.2-3B", "gemma-3-1b-it",
                                            "gemma-3-4b-it"}  # fmt: skip
     specs = [c["spec"] for c in cases]
-    assert {s["technique"] for s in specs} >= {"sft", "dpo", "grpo"}
+    assert {s["technique"] for s in specs} == {"sft", "dpo", "grpo", "distill"}
     assert {s["training"].get("remat", "auto") for s in specs} >= {"auto", "none", "block"}
     assert {s["training"].get("gradientAccumulation", 1) for s in specs} == {1, 4}
     assert {s["resources"]["accelerator"].split("-")[0] for s in specs} == {"v5e", "v6e", "v5p"}
