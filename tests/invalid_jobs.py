@@ -489,6 +489,15 @@ CASES: list[Case] = [
         "gs:// scratch location",
     ),
     Case(
+        "restricted-egress-on-the-nodes-network",
+        lambda d: (
+            _set("spec.resources", {"accelerator": "v5e-8"})(d),
+            _set("spec.network", {"restrictEgress": True})(d),
+        ),
+        "spec.network.restrictEgress",
+        "needs resources.hostNetwork: false",
+    ),
+    Case(
         "slices-on-cpu",
         _set("spec.resources", {"slices": 2}),
         "spec.resources.slices",

@@ -211,6 +211,20 @@ def test_creates_owned_objects_and_status(
     assert operator.metric("posttrain_jobs", 'phase="Succeeded"') == 1
 
 
+def test_restricted_egress_makes_the_jobs_network_policy_before_its_jobset(
+    apiserver: Cluster, namespace: str, operator: OperatorProcess
+):
+    job = create_job(apiserver, namespace, "fenced", network={"restrictEgress": True})
+    wait_for(lambda: phase(apiserver, namespace, "fenced") == "Pending", timeout=30)
+    (js,) = jobsets(apiserver, namespace)
+    policy = apiserver.get("networkpolicy", "fenced-egress", namespace)
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {JOB_NAME_LABEL: "fenced"}}
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    # Made first (the API server's revisions only grow): no trainer pod runs unfenced.
+    assert int(policy["metadata"]["resourceVersion"]) < int(js["metadata"]["resourceVersion"])
+
+
 def test_suspend_resume_and_mutable_fields(
     apiserver: Cluster, namespace: str, operator: OperatorProcess
 ):

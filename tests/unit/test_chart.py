@@ -63,6 +63,7 @@ EXPECTED_CLUSTER_RULES = {
     # patch: progressDeadlineSeconds ends its Jobs; create: the preflight Job
     ("batch", "jobs"): {"list", "watch", "patch", "create"},
     ("", "configmaps"): {"get", "create", "patch"},  # the preflight's cache
+    ("networking.k8s.io", "networkpolicies"): {"get", "create"},  # spec.network
     ("kueue.x-k8s.io", "workloads"): {"list", "watch", "patch"},
     ("kueue.x-k8s.io", "clusterqueues"): {"list", "watch"},
     ("visibility.kueue.x-k8s.io", "localqueues/pendingworkloads"): {"get"},

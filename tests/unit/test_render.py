@@ -262,7 +262,7 @@ def test_trainer_pods_run_as_the_namespace_trainer_and_read_the_job(name):
     from posttrain.render.names import TRAINER_REPLICATED_JOBS, TRAINER_SERVICE_ACCOUNT
 
     job = load_job(GOLDEN / "jobs" / f"{name}.yaml")
-    for rjob in render(job)[0]["spec"]["replicatedJobs"]:
+    for rjob in render(job)[-1]["spec"]["replicatedJobs"]:
         template = rjob["template"]["spec"]["template"]
         names = [c["name"] for c in template["spec"]["containers"]]
         if "trainer" not in names:

@@ -230,6 +230,19 @@ RULES: list[Rule] = [
         "resources.gpusPerNode applies to nvidia-* accelerators only",
     ),
     Rule(
+        "network.restrictEgress",
+        "!has(self.network) || !self.network.restrictEgress || !self.resources.hostNetwork || "
+        f"!self.resources.accelerator.matches('{TPU_NAME_CEL}')",
+        lambda s: (
+            s.network is None
+            or not s.network.restrict_egress
+            or not s.resources.host_network
+            or not _is_tpu(s)
+        ),
+        "network.restrictEgress on a TPU needs resources.hostNetwork: false (pods on their "
+        "node's network are outside NetworkPolicies)",
+    ),
+    Rule(
         "resources.nodes",
         f"self.resources.nodes == 1 || !self.resources.accelerator.matches('{TPU_NAME_CEL}')",
         lambda s: s.resources.nodes == 1 or not _is_tpu(s),

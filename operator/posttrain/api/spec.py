@@ -924,6 +924,18 @@ class WandbSpec(KubeModel):
     """Secret holding the API key (WANDB_API_KEY); needed online."""
 
 
+class NetworkSpec(KubeModel):
+    """The job's network (spec.network)."""
+
+    restrict_egress: bool = False
+    """Make a NetworkPolicy for the job's pods that lets them reach only the cluster's
+    DNS, the job's own pods, the namespaces of the services the job names (spec.grpo's
+    verifier and tool URLs, the MLflow URI), HTTPS (TCP 443 and 6443: the API server,
+    object stores, model hubs), the other ports of services outside the cluster that it
+    names, and the node's metadata server (Workload Identity). Enforced where the
+    cluster's network plugin enforces NetworkPolicies."""
+
+
 class TrackingSpec(KubeModel):
     """Experiment tracking: the spec as parameters, every TensorBoard metric at its step,
     the final phase and goodput, the exported adapter's config and model card and
@@ -997,6 +1009,9 @@ class PostTrainJobSpec(KubeModel):
 
     tracking: TrackingSpec | None = None
     """Experiment tracking (MLflow, Weights & Biases); absent: TensorBoard only."""
+
+    network: NetworkSpec | None = None
+    """What the job's pods may reach; absent: what the namespace's policies allow."""
 
 
 class Phase(StrEnum):

@@ -36,6 +36,7 @@ COLLECTIONS = {
     "Lease": "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
     "Job": "/apis/batch/v1/namespaces/{namespace}/jobs",  # the preflight's
     "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps",  # the preflight's cache
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
 }
 MERGE_PATCH = "application/merge-patch+json"
 # A 429 (too many requests) is sent again in place this many times, as client-go does;

@@ -203,12 +203,14 @@ def _children(
     namespace = job["metadata"]["namespace"]
     if compile_first and not _preflight(job, parsed, memory, observed, result):
         return None
-    (jobset,) = render(parsed, State.render_config)
+    *first, jobset = render(parsed, State.render_config)  # first: its NetworkPolicy
     annotations = jobset["metadata"].setdefault("annotations", {})
     annotations[SCHEDULING_ANNOTATION] = scheduling_annotation(job.get("spec") or {})
     try:
         # The JobSet's trainer pods run as the namespace's trainer ServiceAccount.
         trainer_access.ensure(namespace, State.render_config.trainer_cluster_role)
+        for obj in first:
+            kube.create_or_get_owned(namespace, obj)
         stored, created = kube.create_or_get_owned(namespace, jobset)
     except kube.Refused as e:
         _write_status(job, _fail(job, e.reason, str(e)), result)

@@ -19,6 +19,7 @@ from posttrain import catalog
 from posttrain.api.spec import PostTrainJob
 from posttrain.render import names
 from posttrain.render.jobset import RenderConfig, render_jobset
+from posttrain.render.network import network_policy
 
 TRAINER_LABELS = {
     "app.kubernetes.io/name": "posttrain",
@@ -80,4 +81,5 @@ def render(job: PostTrainJob, config: RenderConfig | None = None) -> list[dict[s
     config = config or RenderConfig()
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
-    return [render_jobset(job, placement, config)]
+    policy = network_policy(job, config)  # first: the pods never run without it
+    return [*([policy] if policy else []), render_jobset(job, placement, config)]
