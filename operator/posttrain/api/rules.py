@@ -456,6 +456,8 @@ IMMUTABLE: list[str] = [
     "image",
     "hfTokenSecret",
     "tracking",
+    "network",
+    "preflight",
     "scheduling.queue",
     "scheduling.priorityClass",
     "scheduling.maxRestarts",
