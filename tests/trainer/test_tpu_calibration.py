@@ -33,7 +33,9 @@ def table() -> dict:
     return json.loads((ROOT / "bench" / "tpu_memory_table.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["q06-sft-lora-2k-v5e1", "q06-sft-full-2k-v5e1"])
+# One case (a compile of 76 s on an idle core): the stored table holds the rest, checked
+# by tests/unit/test_capacity_tpu_table.py without compiling.
+@pytest.mark.parametrize("name", ["q06-sft-lora-2k-v5e1"])
 def test_the_estimate_holds_to_the_tpu_compiler(table, tmp_path, name):
     from posttrain.trainer import tpu_compile
 
