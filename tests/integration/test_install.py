@@ -332,6 +332,12 @@ ALLOWED = [
     ("list", "jobs.batch", "-"),
     ("watch", "jobs.batch", "-"),
     ("patch", "jobs.batch", "other"),  # a job whose trainer stopped reporting: end its Jobs
+    ("create", "jobs.batch", "other"),  # a TPU job's preflight Job
+    ("get", "configmaps", "other"),  # the preflight's answers, posttrain-preflight
+    ("create", "configmaps", "other"),
+    ("patch", "configmaps", "other"),
+    ("create", "networkpolicies.networking.k8s.io", "other"),  # spec.network.restrictEgress
+    ("get", "networkpolicies.networking.k8s.io", "other"),
     ("list", "workloads.kueue.x-k8s.io", "-"),
     ("watch", "workloads.kueue.x-k8s.io", "-"),
     ("patch", "workloads.kueue.x-k8s.io", "other"),
@@ -354,7 +360,6 @@ DENIED = [
     ("create", "pods", "other"),
     ("patch", "pods", "other"),
     ("delete", "pods", "other"),
-    ("create", "jobs.batch", "other"),
     ("delete", "jobs.batch", "other"),
     ("update", "jobs.batch/status", "other"),
     ("update", "pods/status", "other"),
@@ -380,15 +385,16 @@ DENIED = [
     ("patch", "posttrainjobs.posttrain.dev", "other"),
     ("get", "posttrainjobs.posttrain.dev/status", "other"),
     ("create", "roles.rbac.authorization.k8s.io", "other"),
-    ("create", "configmaps", "other"),
-    ("get", "configmaps", "other"),
+    ("delete", "configmaps", "other"),
+    ("list", "configmaps", "-"),
+    ("delete", "networkpolicies.networking.k8s.io", "other"),
+    ("patch", "networkpolicies.networking.k8s.io", "other"),
     ("update", "serviceaccounts", "other"),
     ("create", "serviceaccounts/token", "other"),
     ("update", "rolebindings.rbac.authorization.k8s.io", "other"),
     ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io", "-"),
     ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io", "-"),
     ("update", "customresourcedefinitions.apiextensions.k8s.io", "-"),
-    ("create", "jobs.batch", "other"),
 ]
 
 
