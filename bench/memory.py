@@ -160,8 +160,10 @@ def spec_doc(name: str, models_dir: Path) -> dict:
     return doc
 
 
-def write_configs(models_dir: Path) -> None:
-    for model, config in CONFIGS.items():
+def write_configs(models_dir: Path, configs: dict | None = None) -> None:
+    """A directory of config.json files, one a model (CONFIGS by default), as local
+    checkpoints with no weights: what the compiles read."""
+    for model, config in (CONFIGS if configs is None else configs).items():
         (models_dir / model).mkdir(parents=True, exist_ok=True)
         (models_dir / model / "config.json").write_text(json.dumps(config))
 
@@ -177,19 +179,47 @@ def child(doc: dict, out: Path) -> None:
     lay = capacity.layout(spec, placement)
     started = time.monotonic()
     if os.environ.get("POSTTRAIN_BENCH_TPU"):  # --tpu: the TPU compiler, compile-only
-        from posttrain.trainer import tpu_compile
-
-        devices = tpu_compile.tpu_devices(placement, spec.resources.slices)
-        program = tpu_compile.compile_program("train step", spec,
-                                              tpu_compile.trainer_mesh(devices, lay))  # fmt: skip
-        if program.memory is None:  # over HBM: the compiler's figure for its temporaries
-            memory = {"argument": 0, "output": 0, "alias": 0, "temp": program.required or 0,
-                      "over": program.error}  # fmt: skip
-        else:
-            memory = program.memory
+        memory, _ = tpu_memory(spec)
     else:
         memory = step_memory.compiled_memory(spec, step_memory.mesh_of(lay.slices, lay.per_slice))
     out.write_text(json.dumps({**memory, "seconds": time.monotonic() - started}))
+
+
+def tpu_memory(spec) -> tuple[dict, object]:
+    """The job's train step compiled by the TPU compiler for its topology and slices
+    (compile-only devices: posttrain.trainer.tpu_compile): its memory_analysis() as a
+    dict of bytes, and the compiled program's figures. Over HBM the step does not
+    compile: the compiler's figure for its temporaries alone, with its message in "over"."""
+    from posttrain import capacity, catalog
+    from posttrain.trainer import tpu_compile
+
+    placement = catalog.resolve(spec.resources.accelerator)
+    lay = capacity.layout(spec, placement)
+    devices = tpu_compile.tpu_devices(placement, spec.resources.slices)
+    mesh = tpu_compile.trainer_mesh(devices, lay)
+    program = tpu_compile.compile_program("train step", spec, mesh)
+    if program.memory is None:
+        memory = {"argument": 0, "output": 0, "alias": 0, "temp": program.required or 0,
+                  "over": program.error}  # fmt: skip
+        return memory, program
+    return dict(program.memory), program
+
+
+def compile_in_child(script: str | Path, doc: dict, xla_flags: str | None = None) -> dict:
+    """`script --child DOC OUT` in a child process (JAX fixes its devices when it starts,
+    and a compile's memory is the child's own): the JSON the child writes to OUT, or
+    {"error": the last lines of its stderr}. xla_flags: the child's XLA_FLAGS (this
+    process's when None)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compiled.json"
+        run = subprocess.run([sys.executable, str(script), "--child", json.dumps(doc), str(out)],
+                             env=env, capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            return {"error": run.stderr.strip().splitlines()[-5:] or ["?"]}
+        return json.loads(out.read_text())
 
 
 def run_case(name: str, models_dir: Path, saved: dict) -> dict:
@@ -204,25 +234,17 @@ def run_case(name: str, models_dir: Path, saved: dict) -> dict:
     compiler = "tpu" if os.environ.get("POSTTRAIN_BENCH_TPU") else "xla-cpu"
     est = capacity.estimate(spec, placement, compiler=compiler)
     flags = REMAT_XLA_FLAGS if capacity.remat_of(spec) != "none" else ""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
     # the case as a key, its models by name (not by this run's temporary directory)
     key = json.dumps(spec_doc(name, Path()), sort_keys=True)
     if os.environ.get("POSTTRAIN_BENCH_TPU"):
         key = "tpu " + key
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "xla.json"
-        if key in saved:  # --saved: XLA's figures of an earlier run of the same case
-            out.write_text(json.dumps(saved[key]))
-            run = subprocess.CompletedProcess([], 0)
-        else:
-            run = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(doc), str(out)],
-                env=env, capture_output=True, text=True,
-            )  # fmt: skip
-        if run.returncode:
-            return {"name": name, "error": run.stderr.strip().splitlines()[-1:]}
-        memory = json.loads(out.read_text())
+    if key in saved:  # --saved: XLA's figures of an earlier run of the same case
+        memory = saved[key]
+    else:
+        xla_flags = f"--xla_force_host_platform_device_count={DEVICES} {flags}".strip()
+        memory = compile_in_child(__file__, doc, xla_flags)
+        if "error" in memory:
+            return {"name": name, "error": memory["error"][-1:]}
     saved[key] = memory
     xla = step_memory.peak_bytes(memory) / capacity.GIB
     verdict, _ = capacity.admission(spec, placement, compiler)
@@ -256,15 +278,10 @@ def accumulation_doc(technique: str, lora: bool, accumulation: int, model: Path,
 def compile_peak(doc: dict) -> dict:
     """The case's per-device memory_analysis() in a child process (its peak in 'peak'),
     or its error."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {REMAT_XLA_FLAGS}"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "xla.json"
-        run = subprocess.run([sys.executable, __file__, "--child", json.dumps(doc), str(out)],
-                             env=env, capture_output=True, text=True)  # fmt: skip
-        if run.returncode:
-            return {"error": (run.stderr.strip().splitlines() or ["?"])[-1]}
-        memory = json.loads(out.read_text())
+    xla_flags = f"--xla_force_host_platform_device_count={DEVICES} {REMAT_XLA_FLAGS}"
+    memory = compile_in_child(__file__, doc, xla_flags)
+    if "error" in memory:
+        return {"error": memory["error"][-1]}
     from posttrain.trainer import step_memory
 
     return {**memory, "peak": step_memory.peak_bytes(memory)}

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "bench" / "tpu_memory_table.json"
 sys.path.insert(0, str(ROOT / "bench"))
 from memory import CONFIGS as _MEMORY_CONFIGS  # noqa: E402
+from memory import _merge, compile_in_child, tpu_memory, write_configs  # noqa: E402
 
 # Published config.json numbers (Hugging Face Hub) beside bench/memory.py's.
 CONFIGS = {
@@ -145,13 +144,6 @@ HELD_OUT = (
 NO_WARNING_BELOW = 0.9  # the compiler's total under this share of HBM: admitted, no warning
 
 
-def _merge(base: dict, changes: dict) -> dict:
-    out = dict(base)
-    for k, v in changes.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def spec_doc(name: str, models_dir: Path | None = None) -> dict:
     """The case's spec; model sources as directories under models_dir (by name without)."""
     model, accelerator, changes = CASES[name]
@@ -177,29 +169,19 @@ def with_models(doc: dict, models_dir: Path) -> dict:
     return doc
 
 
-def write_configs(models_dir: Path, configs: dict) -> None:
-    for model, config in configs.items():
-        (models_dir / model).mkdir(parents=True, exist_ok=True)
-        (models_dir / model / "config.json").write_text(json.dumps(config))
-
-
 def child(doc: dict, out: Path) -> None:
     """Compile the case's step for its TPU topology (compile-only devices)."""
     from posttrain import capacity, catalog
     from posttrain.api.spec import PostTrainJobSpec
-    from posttrain.trainer import tpu_compile
 
     spec = PostTrainJobSpec.model_validate(doc)
-    placement = catalog.resolve(spec.resources.accelerator)
-    lay = capacity.layout(spec, placement)
-    devices = tpu_compile.tpu_devices(placement, spec.resources.slices)
-    mesh = tpu_compile.trainer_mesh(devices, lay)
-    program = tpu_compile.compile_program("train step", spec, mesh)
+    lay = capacity.layout(spec, catalog.resolve(spec.resources.accelerator))
+    memory, program = tpu_memory(spec)
+    memory.pop("over", None)  # the compiler's message: not kept in the table
     if program.memory is None:  # over HBM: the compiler's figure for its temporaries alone
-        memory = {"argument": 0, "output": 0, "alias": 0, "temp": program.required or 0}
         found = {"memory": memory, "over_hbm": True, "hbm": program.available}
     else:
-        found = {"memory": program.memory, "over_hbm": False}
+        found = {"memory": memory, "over_hbm": False}
     found.update(seconds=round(program.seconds, 1), flops=program.flops,
                  mesh=[lay.slices, lay.per_slice])  # fmt: skip
     out.write_text(json.dumps(found))
@@ -223,20 +205,13 @@ def compile_case(name: str, table: dict, models_dir: Path) -> dict | None:
     )
     if found and found["spec"] == doc and configs_same:
         return found
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tpu.json"
-        started = time.monotonic()
-        run = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(with_models(doc, models_dir)),
-             str(out)],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if run.returncode:
-            print(f"{name}: failed after {time.monotonic() - started:.0f} s:\n"
-                  + "\n".join(run.stderr.strip().splitlines()[-5:]), flush=True)  # fmt: skip
-            return None
-        found = {"model": model, "spec": doc, **json.loads(out.read_text())}
+    started = time.monotonic()
+    compiled = compile_in_child(__file__, with_models(doc, models_dir))
+    if "error" in compiled:
+        print(f"{name}: failed after {time.monotonic() - started:.0f} s:\n"
+              + "\n".join(compiled["error"]), flush=True)  # fmt: skip
+        return None
+    found = {"model": model, "spec": doc, **compiled}
     from importlib.metadata import version
 
     table["libtpu"], table["jax"] = version("libtpu"), version("jax")

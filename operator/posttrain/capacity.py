@@ -466,16 +466,7 @@ def estimate(
         opt_bytes = _OPTIMIZER_BYTES[t.optimizer] * trained
     grads = trained * 4 * (2 if t.gradient_accumulation > 1 else 1)
 
-    length, per_example = spec.data.max_length, 1
-    scored = length  # tokens per row whose log-probabilities the loss takes
-    if spec.technique == "dpo":
-        per_example = 2  # chosen and rejected
-        scored = length - min(spec.dpo.max_prompt_length if spec.dpo else 512, length // 2)
-    elif spec.technique == "grpo":
-        per_example = spec.grpo.num_generations
-        length = spec.grpo.max_prompt_length + spec.grpo.max_completion_length
-        scored = spec.grpo.max_completion_length
-    rows = max(1, math.ceil(t.batch_size / t.gradient_accumulation * per_example / lay.devices))
+    rows, length, scored = _rows_and_lengths(spec, lay)
     tokens = rows * length
     d, f = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
