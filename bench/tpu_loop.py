@@ -76,7 +76,9 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
                  "completionOnlyLoss": False},
         "training": {"steps": args.steps, "batchSize": args.batch, "learningRate": 1e-5,
                      "logEverySteps": log_every, "remat": args.remat,
-                     "attention": args.attention},
+                     # a job file without spec.accelerator validates as a CPU job, where
+                     # flash is refused: auto is flash on the accelerator it runs on
+                     "attention": "auto" if args.attention == "flash" else args.attention},
         "checkpoint": {"everySteps": args.steps},
         "output": {"uri": str(out)},
     }  # fmt: skip
