@@ -255,7 +255,12 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
     assert len(policy.contexts) == 2  # episode 0 and 1 took two turns; nobody a third
     assert out.per_episode["episode_turns"].tolist() == [2, 2, 1]
     assert out.per_episode["episode_tool_errors"].tolist() == [0, 1, 0]
-    assert step_metrics(out.per_episode) == {"turns": 5 / 3, "tool_calls": 2.0, "tool_errors": 1.0}
+    assert step_metrics(out.per_episode) == {
+        "turns": 5 / 3,
+        "tool_calls": 2.0,
+        "tool_errors": 1.0,
+        "well_formed_calls": 1 / 3,  # episode 0; episode 1's call failed, 2 made none
+    }
     assert out.left_padded_prompt_tokens.shape == (3, 1200)
     assert out.left_padded_prompt_tokens[0, -len(first_context) :].tolist() == first_context
 
@@ -381,3 +386,17 @@ def test_status_progress_carries_episode_and_verifier_metrics():
     }
     assert ProgressStatus.model_validate(patch).rollout["toolErrors"] == 1.0
     progress.close(2, metrics)
+
+
+def test_well_formed_calls_is_the_share_of_episodes_whose_calls_all_ran():
+    """train/well_formed_calls: an episode counts when it made a call and none of its
+    calls failed (malformed, an unknown tool, a tool's error); one without calls does not."""
+    per_episode = {
+        "episode_turns": np.array([2, 3, 1, 2]),
+        "episode_tool_calls": np.array([1, 2, 0, 2]),
+        "episode_tool_errors": np.array([0, 0, 0, 1]),
+    }
+    metrics = step_metrics(per_episode)
+    assert metrics["well_formed_calls"] == 0.5
+    assert metrics["tool_calls"] == 5.0 and metrics["tool_errors"] == 1.0
+    assert step_metrics({}) == {}  # single-turn GRPO: no episode metrics

@@ -177,14 +177,19 @@ class AgentRollout:
 
 
 def step_metrics(rolled: Mapping[str, Any]) -> dict[str, float]:
-    """A step's turns (mean per episode), tool calls and tool errors, from the rollout's
-    own per-episode counts (so asynchronous rollouts report the step they train)."""
+    """A step's turns (mean per episode), tool calls and tool errors, and the share of its
+    episodes whose calls were well formed (``well_formed_calls``: at least one call, and
+    every call read and ran without an error), from the rollout's own per-episode counts
+    (so asynchronous rollouts report the step they train)."""
     if "episode_turns" not in rolled:
         return {}
+    calls = np.asarray(rolled["episode_tool_calls"])
+    errors = np.asarray(rolled["episode_tool_errors"])
     return {
         "turns": float(np.mean(rolled["episode_turns"])),
-        "tool_calls": float(np.sum(rolled["episode_tool_calls"])),
-        "tool_errors": float(np.sum(rolled["episode_tool_errors"])),
+        "tool_calls": float(np.sum(calls)),
+        "tool_errors": float(np.sum(errors)),
+        "well_formed_calls": float(np.mean((calls > 0) & (errors == 0))),
     }
 
 
