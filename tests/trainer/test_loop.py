@@ -91,6 +91,23 @@ def test_lora_sft_learns_and_writes_outputs(model_dir, reference):
     assert any(k.endswith("lora_B.weight") for k in adapter(out))
 
 
+def test_tokens_per_second_counts_until_the_device_finishes_the_window():
+    """Steps are dispatched without waiting; the window's rate must include the wait for
+    its last step (here a loss whose reading takes 0.2 s, as a device still computing)."""
+    from posttrain.trainer.loop import Window
+
+    class StillComputing:
+        def __float__(self) -> float:
+            time.sleep(0.2)
+            return 1.5
+
+    window = Window()
+    window.tokens += [np.int32(300), np.int32(300)]
+    loss, rate = window.close(StillComputing())
+    assert loss == 1.5 and 0 < rate <= 600 / 0.2
+    assert window.tokens == [] and time.monotonic() - window.start < 0.1
+
+
 def test_goodput_of_an_uninterrupted_run(reference):
     out, result = reference
     summary = json.loads((out / "summary.json").read_text())["goodput"]

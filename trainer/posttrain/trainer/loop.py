@@ -135,6 +135,24 @@ def train(
         shutil.rmtree(run.scratch, ignore_errors=True)
 
 
+class Window:
+    """The steps since the last log: their tokens (device scalars, read back when the
+    window closes) and when the window began."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens = time.monotonic(), []
+
+    def close(self, loss: Any) -> tuple[float, float]:
+        """(the window's last loss, its tokens/s), timed to when the device finished the
+        last step (reading the loss waits for it), not to when the host dispatched it;
+        then a new window begins."""
+        loss_value = float(loss)
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = sum(int(t) for t in self.tokens) / elapsed
+        self.start, self.tokens = time.monotonic(), []
+        return loss_value, rate
+
+
 def train_sft(run: RunSetup) -> Result:
     """SFT (sft.make_train_step) for spec.training.steps steps, resuming from the newest
     checkpoint."""
@@ -335,7 +353,7 @@ def run_steps(
     metrics: dict[str, float] = {}
     # Steps are dispatched without waiting for the device: their outputs are read back on
     # log steps only (tokens summed then), and the host runs at most IN_FLIGHT steps ahead.
-    window_start, window_tokens = time.monotonic(), []
+    window = Window()
     in_flight: collections.deque = collections.deque()
     recorded = time.monotonic()
     clock.charge("startup")
@@ -357,22 +375,21 @@ def run_steps(
                 # The first step is compiled and dispatched: from here a signal checkpoints
                 # after the step (before, during the compile, it stops saving nothing).
                 stop.training()
-            window_tokens.append(out.pop("tokens", 0))
+            window.tokens.append(out.pop("tokens", 0))
             in_flight.append(loss)
             if len(in_flight) > IN_FLIGHT:
                 jax.block_until_ready(in_flight.popleft())
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
             if log_now:
-                elapsed = max(time.monotonic() - window_start, 1e-9)
+                loss_value, tokens_per_second = window.close(loss)
                 metrics = {
-                    "loss": float(loss),
+                    "loss": loss_value,
                     "learning_rate": float(schedule(result.step - 1)),
                     **{k: float(v) for k, v in out.items()},
-                    "tokens_per_second": sum(int(t) for t in window_tokens) / elapsed,
+                    "tokens_per_second": tokens_per_second,
                     **{f"data/{k}": v for k, v in loader.metrics().items()},
                 }
                 result.losses[result.step] = metrics["loss"]
-                window_start, window_tokens = time.monotonic(), []
             eval_now = evaluation is not None and evaluation.due(result.step, total)
             save_now = (
                 result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop
