@@ -3,6 +3,8 @@ accumulation over micro-batches."""
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +66,12 @@ def accumulate(
     needed 1.27x the memory of accumulation 1 for DPO on 8 devices). With it the weights
     are gathered a layer at a time in each micro-batch, as without accumulation; the
     barrier is the identity, so the sums are unchanged (bitwise:
-    tests/trainer/test_accumulation.py)."""
+    tests/trainer/test_accumulation.py).
+
+    Inside a step made by `jit_step`, the gradient sums are also an output of the jitted
+    program (dropped by the step's caller), so the compiler keeps the loop's carry in that
+    output buffer: the TPU compiler counts a loop carry kept among its temporaries twice
+    in the memory it reserves (`temp_size_in_bytes`), an output once (see `jit_step`)."""
     if accumulation == 1:
         (loss, aux), grads = grad_fn(*args, batch)
         return loss, aux, grads
@@ -87,6 +94,9 @@ def accumulate(
         return ((total + loss, _add(aux_sum, aux)), _add(grad_sum, grads)), None
 
     ((total, aux_sum), grads), _ = jax.lax.scan(body, zeros, micro)
+    sums = _SUMS.get()
+    if sums is not None:
+        sums.append(grads)
     return total, aux_sum, grads
 
 
@@ -96,8 +106,49 @@ def jit_step(step: Callable[..., Any]) -> Callable[..., Any]:
     output to its donated input), so no second copy of either is ever live. What is not
     trained (a LoRA run's base weights) passes through the step unchanged, in place.
     Whatever else holds the model's Variables (a colocated sampler) reads the new arrays:
-    nnx.jit updates the Variables themselves."""
-    return nnx.jit(step, donate_argnames=("model", "optimizer"))
+    nnx.jit updates the Variables themselves.
+
+    The jitted program also outputs the gradient sums of its accumulation loop (none
+    without accumulation), which the returned step drops: XLA then keeps the loop's
+    carry (the float32 sums) in that output's buffer instead of among the program's
+    temporaries, where the TPU compiler reserves a loop carry's memory twice (a while
+    loop whose carry is among the temporaries needs its carry's size more temporary
+    memory than the buffers it assigns; one whose carry is an output does not). For a
+    full fine-tune of Qwen3-0.6B at 2 layers with accumulation 4 that is 0.69 GiB less
+    (7.36 to 6.68 GiB; 5.97 without accumulation): the sum is counted once, as
+    accumulation must hold it. `lower` lowers the whole program, sums included: its
+    memory_analysis() is what the step needs."""
+
+    @functools.wraps(step)
+    def with_sums(*args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+        sums: list[Any] = []
+        token = _SUMS.set(sums)
+        try:
+            out = step(*args, **kwargs)
+        finally:
+            _SUMS.reset(token)
+        return out, sums
+
+    return _Step(nnx.jit(with_sums, donate_argnames=("model", "optimizer")))
+
+
+class _Step:
+    """A jitted step whose program returns (outputs, gradient sums): called, the outputs
+    (the sums' buffers are freed as they are dropped); `lower` is the program's."""
+
+    def __init__(self, jitted: Any) -> None:
+        self._jitted = jitted
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted(*args, **kwargs)[0]
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted.lower(*args, **kwargs)
+
+
+# The gradient sums that `accumulate` hands to the step `jit_step` is tracing (None
+# outside one).
+_SUMS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("sums", default=None)
 
 
 def micro_batches(batch: dict[str, jax.Array], accumulation: int) -> dict[str, jax.Array]:
