@@ -126,6 +126,19 @@ TERMS = (
 # tower) is counted as it is; what the compiler's schedule keeps beside it is six fitted
 # constants, each scaling one physical quantity per device (fitted on the table's cases
 # outside bench/tpu_calibration.HELD_OUT; `python bench/tpu_calibration.py --fit`):
+# A rematerialised LoRA step over MLP_KEPT_FSDP or more chips of a slice: the TPU compiler
+# does not recompute the layers' MLPs in backward but keeps what their backward reads, for
+# every layer at once (the frozen base has no weight gradient to compute there): the gate
+# and up projections' outputs, the gate's activation and their product (the down
+# projection's input, which its adapter's gradient reads), MLP_KEPT_ARRAYS arrays of
+# [tokens, intermediate] in the compute dtype. Seen in the compiler's buffers and flops:
+# Llama 3.2 1B LoRA r64 at 8k, one row a chip, on v6e-8 keeps 4 such arrays a layer and
+# compiles to 44.6 TFLOP a chip (the MLPs' recompute gone); the same rows a chip on v6e-4
+# (4 chips) recompute them (55.1 TFLOP, 8.35 GiB, the estimate without this term 9.13).
+# A count of arrays, not a fitted constant; not with gradientAccumulation above 1, whose
+# micro-batch scan the compiler schedules apart (g1b-sft-lora-acc4-4k-v5e8, 8 chips).
+MLP_KEPT_ARRAYS = 4
+MLP_KEPT_FSDP = 8
 TPU_CONSTANTS = {
     # share of the float32 gradient (and a full fine-tune's compute-dtype cast of the
     # masters) live at the peak: the compiler frees each layer's as it is applied
@@ -346,6 +359,21 @@ def _rows_and_lengths(spec: PostTrainJobSpec, lay: Layout) -> tuple[int, int, in
     return rows, length, scored
 
 
+def mlp_kept_bytes(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, tokens: int) -> float:
+    """Bytes per device of the MLP activations a rematerialised LoRA step keeps on a TPU
+    slice of MLP_KEPT_FSDP chips or more: every decoder layer's MLP_KEPT_ARRAYS
+    [tokens, intermediate] arrays in the compute dtype; 0 otherwise."""
+    if (
+        spec.lora is None
+        or lay.per_slice < MLP_KEPT_FSDP
+        or remat_of(spec) == "none"
+        or spec.training.gradient_accumulation > 1
+    ):
+        return 0.0
+    w = _DTYPE_BYTES[spec.model.dtype]
+    return MLP_KEPT_ARRAYS * shape.layers * tokens * shape.intermediate * w
+
+
 def tpu_parts(
     spec: PostTrainJobSpec, shape: ModelShape, lay: Layout
 ) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
@@ -393,7 +421,7 @@ def tpu_parts(
         "optimizer": opt_bytes / fsdp,
         # the accumulator: a second float32 gradient, the micro-batch scan's carry
         "gradients": grads if t.gradient_accumulation > 1 else 0.0,
-        "activations": tower_act,
+        "activations": tower_act + mlp_kept_bytes(spec, shape, lay, tokens),
         "reference/teacher": frozen,
         "rollout cache": cache,
         "vision tower": tower,

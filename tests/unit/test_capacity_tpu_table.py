@@ -5,8 +5,11 @@ libtpu, compile-only). Pure: no JAX, no compile."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from tpu_table import NO_WARNING_BELOW, load, rows
+from tpu_table import TABLE as TABLE_PATH
 
 from posttrain import capacity
 
@@ -15,10 +18,9 @@ ROWS = {r.name: r for r in rows(TABLE)}
 # Cases that compiled (a case over HBM records the compiler's temporaries alone: a floor,
 # held by the admission tests below, not by the ratio).
 COMPILED = [name for name, r in ROWS.items() if not r.over_hbm]
-# Where the estimate is under 0.8 of the compiler today: LoRA steps on v6e-8 whose
-# compiled figure keeps more per layer than rematerialisation should (Qwen3-4B at 4k,
-# Llama-3.2-1B at 8k, Qwen3-1.7B GRPO); their figures are in docs/user-guide.md.
-UNDER = {"q4b-sft-lora-4k-v6e8", "l1b-sft-lora-8k-r64-v6e8", "q17-grpo-lora-1k-v6e8"}
+# Where the estimate is outside 0.8-1.25 of the compiler today (its figures are in
+# docs/user-guide.md, "The TPU calibration").
+OUTSIDE = {"g4b-vision-lora-1k-v6e8"}
 
 
 def test_the_table_covers_the_published_shapes_techniques_and_topologies():
@@ -41,19 +43,25 @@ def test_the_table_covers_the_published_shapes_techniques_and_topologies():
 @pytest.mark.parametrize("name", COMPILED)
 def test_the_estimate_is_within_the_band_of_the_tpu_compiler(name):
     r = ROWS[name]
-    if name in UNDER:
-        assert r.ratio < 0.8, f"{name} is within the band now: take it off UNDER"
+    if name in OUTSIDE:
+        assert not 0.8 <= r.ratio <= 1.25, f"{name} is within the band now: take it off OUTSIDE"
         return
     assert 0.8 <= r.ratio <= 1.25, (name, r.estimate, r.compiler, r.ratio)
 
 
 def test_within_the_band_on_nine_in_ten_of_the_table():
     """The goal: the estimate within 0.8-1.25 of the TPU compiler on at least 90% of the
-    compiled cases; missed today by the cases in UNDER."""
+    compiled cases, and on at least 90% of the held-out ones (not used to fit
+    capacity.TPU_CONSTANTS: bench/tpu_calibration.HELD_OUT)."""
+    sys.path.insert(0, str(TABLE_PATH.parents[1] / "bench"))
+    from tpu_calibration import HELD_OUT
+
     inside = [n for n in COMPILED if 0.8 <= ROWS[n].ratio <= 1.25]
-    if len(inside) < 0.9 * len(COMPILED):
-        pytest.xfail(f"{len(inside)} of {len(COMPILED)} within 0.8-1.25, goal 90%")
-    assert len(inside) >= 0.9 * len(COMPILED)
+    assert len(COMPILED) >= 20
+    assert len(inside) >= 0.9 * len(COMPILED), (len(inside), len(COMPILED))
+    held = [n for n in COMPILED if n in HELD_OUT]
+    assert len(held) >= 10
+    assert sum(0.8 <= ROWS[n].ratio <= 1.25 for n in held) >= 0.9 * len(held)
 
 
 @pytest.mark.parametrize("name", ROWS)
