@@ -39,35 +39,23 @@ tools: setup
 	test -x .cache/bin/fake-gcs-server || GOBIN=$(CURDIR)/.cache/bin go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_VERSION)
 	test -x .cache/bin/promtool || GOBIN=$(CURDIR)/.cache/bin go install -tags remove_all_sd github.com/prometheus/prometheus/cmd/promtool@$(PROMTOOL_VERSION)
 
-# torch, transformers and peft in a venv of their own, apart from the project's (which has
-# no torch): the test that loads an exported adapter with peft uses it, and so does
-# scripts/make_hf_fixtures.py. About 5.6 GiB; a second run with the same pins is a no-op.
+# Tools with pins of their own, each in a venv apart from the project's. Both are made once
+# per set of pins in the user's cache (~/.cache/posttrain/venvs, as pip's and Go's caches are)
+# and linked into .cache/ (scripts/pinned_venv.sh): a fresh clone on a machine that has made
+# them installs nothing.
+#
 # The MLflow tracking server the spec.tracking tests start (tests/trainer/test_tracking.py):
 # the full mlflow package, whose server pins (pyarrow, cryptography) the dev venv does not
 # share; the trainer reports to it with the client in .venv (posttrain[mlflow]).
-MLFLOW_SERVER_VENV := .cache/mlflow-server-venv
 MLFLOW_SERVER_PINS := mlflow==3.17.2
 mlflow-server-venv:
-	@if test -x $(MLFLOW_SERVER_VENV)/bin/mlflow && test "$$(cat $(MLFLOW_SERVER_VENV)/.installed 2>/dev/null)" = "$(MLFLOW_SERVER_PINS)"; then \
-	  echo "$(MLFLOW_SERVER_VENV): up to date"; \
-	else \
-	  set -ex; \
-	  test -x $(MLFLOW_SERVER_VENV)/bin/python || $(PY) -m venv $(MLFLOW_SERVER_VENV); \
-	  $(MLFLOW_SERVER_VENV)/bin/pip install -q $(MLFLOW_SERVER_PINS); \
-	  echo "$(MLFLOW_SERVER_PINS)" > $(MLFLOW_SERVER_VENV)/.installed; \
-	fi
+	@PY=$(PY) bash scripts/pinned_venv.sh .cache/mlflow-server-venv $(MLFLOW_SERVER_PINS)
 
-TORCH_VENV := .cache/torch-venv
+# torch, transformers and peft (the project's venv has no torch): the test that loads an
+# exported adapter with peft uses it, and so does scripts/make_hf_fixtures.py. About 5.6 GiB.
 TORCH_PINS := torch==2.15.0 transformers==5.12.1 peft==0.21.2 safetensors==0.8.0 numpy==2.4.6
 torch-venv:
-	@if test -x $(TORCH_VENV)/bin/python && test "$$(cat $(TORCH_VENV)/.installed 2>/dev/null)" = "$(TORCH_PINS)"; then \
-	  echo "$(TORCH_VENV): up to date"; \
-	else \
-	  set -ex; \
-	  test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV); \
-	  $(TORCH_VENV)/bin/pip install -q $(TORCH_PINS); \
-	  echo "$(TORCH_PINS)" > $(TORCH_VENV)/.installed; \
-	fi
+	@PY=$(PY) bash scripts/pinned_venv.sh .cache/torch-venv $(TORCH_PINS)
 
 lint: setup
 	$(BIN)/ruff check .
