@@ -45,7 +45,8 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 
 On a TPU the terms are the TPU compiler's instead (compiler_of, tpu_parts): what the step
 holds as it is (masters or frozen base, optimizer moments, adapters, the accumulator,
-reference or teacher, rollout cache, vision tower) plus TPU_CONSTANTS, each scaling one
+reference or teacher, rollout cache, vision tower, and the MLP activations a LoRA step on
+8 or more chips keeps: mlp_kept_bytes) plus TPU_CONSTANTS, each scaling one
 physical quantity, fitted on bench/tpu_memory_table.json (the trainer's steps at published
 shapes compiled by libtpu for each job's topology; bench/tpu_calibration.py). Dense
 attention has no [heads, L, L] term there: the table's two dense steps (GRPO's learner)
@@ -119,26 +120,28 @@ TERMS = (
     "rollout cache",
     "vision tower",
 )
+# A rematerialised LoRA step on MLP_KEPT_FSDP or more chips of a slice: the TPU compiler
+# keeps what the layers' MLPs' backward reads for every layer at once instead of
+# recomputing it a layer at a time (presumably as the frozen base has no weight gradient
+# whose reduce-scatter paces the backward there): the gate and up projections' outputs, the
+# gate's activation and their product (the down projection's input, which its adapter's
+# gradient reads), MLP_KEPT_ARRAYS arrays of [tokens, intermediate] in the compute dtype
+# a layer. Seen in the compiler's buffer assignment (Llama 3.2 1B LoRA r64 at 8k on v6e-8,
+# one row a chip: four bf16 [8192, 8192] arrays a layer live at the peak); the same rows a
+# chip on v6e-4 (4 chips) keep none (bench/tpu_memory_table.json: l1b-sft-lora-8k-r64-v6e4).
+# A count of arrays, not a fitted constant. Not with gradientAccumulation above 1 (the
+# micro-batch scan is scheduled apart: g1b-sft-lora-acc4-4k-v5e8 on 8 chips keeps none)
+# nor remat none (every layer's activations are kept anyway: layer_bytes).
+MLP_KEPT_ARRAYS = 4
+MLP_KEPT_FSDP = 8
 # TPU accelerators: the estimate is calibrated against the TPU compiler (libtpu, compile-only
 # for the job's topology: bench/tpu_calibration.py, its figures in bench/tpu_memory_table.json),
 # not XLA:CPU, whose scheduler keeps 2-5x more. Held state (float32 masters or the frozen
 # base, optimizer moments, adapters, reference or teacher, GRPO's rollout cache, a vision
-# tower) is counted as it is; what the compiler's schedule keeps beside it is six fitted
-# constants, each scaling one physical quantity per device (fitted on the table's cases
-# outside bench/tpu_calibration.HELD_OUT; `python bench/tpu_calibration.py --fit`):
-# A rematerialised LoRA step over MLP_KEPT_FSDP or more chips of a slice: the TPU compiler
-# does not recompute the layers' MLPs in backward but keeps what their backward reads, for
-# every layer at once (the frozen base has no weight gradient to compute there): the gate
-# and up projections' outputs, the gate's activation and their product (the down
-# projection's input, which its adapter's gradient reads), MLP_KEPT_ARRAYS arrays of
-# [tokens, intermediate] in the compute dtype. Seen in the compiler's buffers and flops:
-# Llama 3.2 1B LoRA r64 at 8k, one row a chip, on v6e-8 keeps 4 such arrays a layer and
-# compiles to 44.6 TFLOP a chip (the MLPs' recompute gone); the same rows a chip on v6e-4
-# (4 chips) recompute them (55.1 TFLOP, 8.35 GiB, the estimate without this term 9.13).
-# A count of arrays, not a fitted constant; not with gradientAccumulation above 1, whose
-# micro-batch scan the compiler schedules apart (g1b-sft-lora-acc4-4k-v5e8, 8 chips).
-MLP_KEPT_ARRAYS = 4
-MLP_KEPT_FSDP = 8
+# tower, LoRA's MLP arrays above) is counted as it is; what the compiler's schedule keeps
+# beside it is seven fitted constants, each scaling one physical quantity per device
+# (fitted on the table's cases outside bench/tpu_calibration.HELD_OUT, before the MLP
+# arrays were counted; `python bench/tpu_calibration.py --fit`):
 TPU_CONSTANTS = {
     # share of the float32 gradient (and a full fine-tune's compute-dtype cast of the
     # masters) live at the peak: the compiler frees each layer's as it is applied

@@ -89,3 +89,30 @@ def test_every_case_is_estimated_with_the_tpu_calibration():
     for r in ROWS.values():
         assert set(r.terms) == set(capacity.TERMS)
         assert r.terms["optimizer"] > 0 and r.terms["logits"] > 0
+
+
+def test_lora_keeps_its_mlp_arrays_on_eight_chips_only():
+    """A rematerialised LoRA step on 8 or more chips of a slice keeps 4 [tokens,
+    intermediate] arrays a layer of its MLPs (the TPU compiler's buffers for
+    l1b-sft-lora-8k-r64-v6e8); on 4 chips, as a full fine-tune, with accumulation or
+    without remat, none are counted."""
+    from posttrain import catalog
+
+    spec = ROWS["l1b-sft-lora-8k-r64-v6e8"].spec
+    shape = capacity.shape_of(spec)
+
+    def kept(spec, accelerator="v6e-8"):
+        lay = capacity.layout(spec, catalog.resolve(accelerator))
+        rows, length, _ = capacity._rows_and_lengths(spec, lay)
+        return capacity.mlp_kept_bytes(spec, shape, lay, rows * length)
+
+    def changed(**training):
+        return spec.model_copy(update={"training": spec.training.model_copy(update=training)})
+
+    assert kept(spec) == 4 * shape.layers * 8192 * shape.intermediate * 2
+    assert kept(spec) / capacity.GIB == pytest.approx(8.0)
+    assert kept(spec, "v6e-4") == 0.0
+    assert kept(spec.model_copy(update={"lora": None})) == 0.0
+    assert kept(changed(gradient_accumulation=4, batch_size=32)) == 0.0
+    assert kept(changed(remat="none")) == 0.0
+    assert ROWS["l1b-sft-lora-8k-r64-v6e8"].terms["activations"] > 8.0
