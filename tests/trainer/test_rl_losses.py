@@ -139,6 +139,15 @@ def test_informative_groups_are_those_with_differing_rewards():
     assert rl_losses.informative_groups(rewards, 2).tolist() == [False, True, False, True]
 
 
+def test_a_rollout_without_a_reward_is_left_out_of_dynamic_samplings_check():
+    """NaN (a verifier gave no reward) neither makes a group informative nor hides that
+    its scored rollouts differ; one scored rollout alone compares with nothing."""
+    nan = np.nan
+    rewards = np.array([1.0, nan, 1.0, 1.0, 0.0, nan, 1.0, 1.0, 1.0, nan, nan, 1.0])
+    got = rl_losses.informative_groups(rewards, 3).tolist()
+    assert got == [False, True, False, False]
+
+
 def test_behaviour_weights_correct_stale_rollouts():
     """Decoupled PPO: ratio against the current (proximal) policy, each token weighted by
     min(pi_prox / pi_behav, IS_TRUNCATION) where pi_behav sampled the completion."""

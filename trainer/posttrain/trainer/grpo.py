@@ -411,7 +411,7 @@ class GrpoRun:
                 extra = self.loader.draw((self.spec.training.seed, index, attempt))
                 drawn += len(extra["prompts"])
                 sample = self._sample(extra, jax.random.fold_in(key, 10_000 + attempt))
-            informative = rl_losses.informative_groups(sample["total"], G)
+            informative = rl_losses.informative_groups(reward_failures.scored_total(sample), G)
             kept += [_group(sample, g, G) for g in np.flatnonzero(informative)]
             dropped += [_group(sample, g, G) for g in np.flatnonzero(~informative)]
             if len(kept) >= groups:

@@ -40,6 +40,12 @@ def group_advantages(total: np.ndarray, num_generations: int, std_normalise: boo
     return out.reshape(-1).astype(np.float32)
 
 
+def scored_total(sample: dict[str, Any]) -> np.ndarray:
+    """The sample's total reward per rollout, NaN where any of its rewards is missing."""
+    total = np.asarray(sample["total"], np.float64)
+    return np.where(unscored(np.asarray(sample["rewards"], np.float32)), np.nan, total)
+
+
 def drop_unscored(
     sample: dict[str, Any],
     num_generations: int,
@@ -58,8 +64,7 @@ def drop_unscored(
             advantages(rewards=total, num_generations=num_generations), np.float32
         )
         return out
-    total = np.where(failed, np.nan, np.asarray(total, np.float64))
-    out["advantages"] = group_advantages(total, num_generations, std_normalise)
+    out["advantages"] = group_advantages(scored_total(sample), num_generations, std_normalise)
     out["completion_mask"] = np.where(failed[:, None], 0, out["completion_mask"]).astype(
         np.asarray(sample["completion_mask"]).dtype
     )

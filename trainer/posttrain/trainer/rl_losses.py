@@ -141,6 +141,10 @@ def policy_loss(
 
 def informative_groups(rewards: np.ndarray, num_generations: int) -> np.ndarray:
     """Which prompt groups (rows of `rewards` reshaped [groups, num_generations]) have
-    rewards that differ: the groups DAPO's dynamic sampling keeps."""
+    rewards that differ: the groups DAPO's dynamic sampling keeps. A rollout without a
+    reward (NaN: its verifier gave none) is left out, not counted as 0."""
     grouped = np.asarray(rewards, np.float64).reshape(-1, num_generations)
-    return grouped.max(axis=-1) > grouped.min(axis=-1)
+    scored = ~np.isnan(grouped)
+    highest = np.where(scored, grouped, -np.inf).max(axis=-1)
+    lowest = np.where(scored, grouped, np.inf).min(axis=-1)
+    return (scored.sum(axis=-1) > 1) & (highest > lowest)
