@@ -4,7 +4,8 @@ posttrain validate FILE...   check PostTrainJob files; every error names its fie
 posttrain estimate FILE      the memory a job needs per device (host memory on CPU), term by term
   --compile                  its train step compiled for its accelerator: the TPU compiler
                              (posttrain[tpu-compile], no TPU needed) or XLA:CPU
-posttrain render FILE        print the objects the operator would create, as YAML
+posttrain render FILE        print the objects the operator would create, as YAML (with
+                             --preflight or spec.preflight.compile, a TPU job's preflight Job)
 posttrain crd                print the CustomResourceDefinition
 posttrain run FILE           train locally from the same file (trainer extra)
 posttrain train --config F   the trainer's entry point inside a pod (trainer extra)
@@ -271,7 +272,7 @@ def _estimate_host(path: str, job: PostTrainJob) -> int:
 def _render(args: argparse.Namespace) -> int:
     from posttrain.api.kube_values import namespace_error
     from posttrain.api.locations import image_error
-    from posttrain.render import RenderConfig, render
+    from posttrain.render import RenderConfig, preflight, render
 
     flags = {"--namespace": (args.namespace, namespace_error),
              "--trainer-image": (args.trainer_image, image_error)}  # fmt: skip
@@ -288,7 +289,12 @@ def _render(args: argparse.Namespace) -> int:
     kinds = ("cpu", "tpu", "gpu")
     images = {f"trainer_image_{k}": args.trainer_image for k in kinds if args.trainer_image}
     config = RenderConfig(**images)
-    sys.stdout.write(dump_yaml(render(job, config)))
+    objects = render(job, config)
+    if preflight.applies(job, preflight.PreflightConfig(compile=args.preflight)):
+        # made first: the TPU compiler's answer decides whether the JobSet follows
+        key = preflight.program_key(job, preflight.image(job, config))
+        objects.insert(0, preflight.render_preflight(job, config, preflight.PreflightConfig(), key))
+    sys.stdout.write(dump_yaml(objects))
     return 0
 
 
@@ -424,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--namespace", "-n")
     p.add_argument("--trainer-image", help="default: the image for the job's accelerator kind")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="as an installation that compiles every TPU job first (the chart's "
+        "preflight.compile): a TPU job's preflight Job is printed unless "
+        "spec.preflight.compile is false (without it: when spec.preflight.compile is true)",
+    )
     p.set_defaults(func=_render)
 
     p = sub.add_parser("crd", help="print the PostTrainJob CustomResourceDefinition")

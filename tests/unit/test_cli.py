@@ -50,6 +50,36 @@ def test_render_prints_objects():
     assert all(d["metadata"]["namespace"] == "other" for d in yaml.safe_load_all(r.stdout))
 
 
+def test_render_prints_the_preflight_job_first_when_the_job_compiles_first(tmp_path):
+    """A TPU job's preflight Job (the operator makes it before the JobSet) is printed with
+    --preflight (an installation that compiles TPU jobs first) or spec.preflight.compile;
+    spec.preflight.compile: false wins over --preflight; a CPU job has none."""
+    doc = yaml.safe_load((ROOT / "tests/golden/jobs/v5e-8.yaml").read_text())
+
+    def kinds(doc: dict, *flags: str) -> list[str]:
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        r = posttrain("render", str(path), *flags)
+        assert r.returncode == 0, r.stderr
+        return [d["kind"] for d in yaml.safe_load_all(r.stdout)]
+
+    assert kinds(doc) == ["JobSet"]
+    assert kinds(doc, "--preflight") == ["Job", "JobSet"]
+    r = posttrain("render", "tests/golden/jobs/v5e-8.yaml", "--preflight")
+    pf = next(yaml.safe_load_all(r.stdout))
+    container = pf["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["posttrain", "estimate", "--compile"]
+    assert pf["metadata"]["name"].startswith(doc["metadata"]["name"] + "-pf-")
+    assert kinds({**doc, "spec": {**doc["spec"], "preflight": {"compile": True}}}) == [
+        "Job",
+        "JobSet",
+    ]
+    off = {**doc, "spec": {**doc["spec"], "preflight": {"compile": False}}}
+    assert kinds(off, "--preflight") == ["JobSet"]
+    cpu = {**doc, "spec": {**doc["spec"], "resources": {"accelerator": "cpu"}}}
+    assert kinds(cpu, "--preflight") == ["JobSet"]
+
+
 def test_crd_matches_file():
     r = posttrain("crd")
     assert r.returncode == 0
