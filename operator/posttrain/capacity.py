@@ -129,6 +129,8 @@ TERMS = (
 # a layer. Seen in the compiler's buffer assignment (Llama 3.2 1B LoRA r64 at 8k on v6e-8,
 # one row a chip: four bf16 [8192, 8192] arrays a layer live at the peak); the same rows a
 # chip on v6e-4 (4 chips) keep none (bench/tpu_memory_table.json: l1b-sft-lora-8k-r64-v6e4).
+# Gemma 3 keeps fewer (about one a layer: g1b-sft-lora-2k-v5e8; none:
+# g4b-vision-lora-1k-v6e8), which this count over-counts; why is not known.
 # A count of arrays, not a fitted constant. Not with gradientAccumulation above 1 (the
 # micro-batch scan is scheduled apart: g1b-sft-lora-acc4-4k-v5e8 on 8 chips keeps none)
 # nor remat none (every layer's activations are kept anyway: layer_bytes).
