@@ -116,8 +116,12 @@ def jit_step(step: Callable[..., Any]) -> Callable[..., Any]:
     memory than the buffers it assigns; one whose carry is an output does not). For a
     full fine-tune of Qwen3-0.6B at 2 layers with accumulation 4 that is 0.69 GiB less
     (7.36 to 6.68 GiB; 5.97 without accumulation): the sum is counted once, as
-    accumulation must hold it. `lower` lowers the whole program, sums included: its
-    memory_analysis() is what the step needs."""
+    accumulation must hold it. An output is always in HBM: a step small enough for the
+    compiler to keep its temporaries, the sum with them, in the chip's on-chip memory
+    (v5e: 128 MiB) needs the sum's size more HBM (an 8k-vocabulary 2-layer model at 256
+    tokens: 186 to 248 MiB, was 205), which no fine-tune at a published shape is. `lower`
+    lowers the whole program, sums included: its memory_analysis() is what the step
+    needs."""
 
     @functools.wraps(step)
     def with_sums(*args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
