@@ -202,6 +202,8 @@ def test_lora_gspo_with_every_reward_type_resumes_exactly(task, tmp_path):
         "train/reward/python_3",
     } <= tb.keys()
     assert max(tb["train/kl"].values()) > 0
+    assert sorted(tb["train/rollout_seconds"]) == [1, 2, 3, 4]
+    assert min(tb["train/rollout_seconds"].values()) > 0
     first = load_file(str(out / "hf" / "adapter_model.safetensors"))
 
     shutil.rmtree(out / "checkpoints" / "4")

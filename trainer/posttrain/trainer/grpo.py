@@ -341,8 +341,6 @@ class GrpoRun:
             self.ref_kind,
         )
         self.batch_keys = BATCH_KEYS + (("behaviour_logps",) if g.max_staleness else ())
-        self.rollout_seconds = 0.0
-        self.rollout_tokens = 0
 
     # ---------------------------------------------------------------- per step
 
@@ -432,7 +430,6 @@ class GrpoRun:
         # As host data: under the global mesh a device key would carry that mesh into the
         # host-local sampler.
         self.rollout_config.seed = np.asarray(key)
-        start = time.monotonic()
         if self.agent is not None:
             out = self.agent.run(repeated, key, self.cluster.generate, self.rollout_config)
             completion_ids, completion_mask = out.completion_ids, out.completion_mask
@@ -441,8 +438,6 @@ class GrpoRun:
             completion_ids, completion_mask = _eos_padded(
                 out.tokens, self.g.max_completion_length, self.eos_id, self.pad_id
             )
-        self.rollout_seconds += time.monotonic() - start
-        self.rollout_tokens += int(completion_mask.sum())
         info = self.learner.reward_manager(
             prompts=repeated,
             completions=out.text,
@@ -504,9 +499,15 @@ class GrpoRun:
     def __call__(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         if self.async_rollouts is not None:
             return self._disaggregated_step(host_batch, index)
+        # The sampler reads the weights the last step wrote: wait for them first, so that
+        # rollout_seconds is this step's sampling and scoring, not the last step's learner.
+        jax.block_until_ready(nnx.state(self.policy.model, self.policy.wrt))
+        start = time.monotonic()
         rolled = self.rollout(host_batch, index)
+        rollout_seconds = time.monotonic() - start
         batch = loop._global_batch(rolled, self.mesh, BATCH_KEYS)
         out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        out["rollout_seconds"] = rollout_seconds
         return self._named(out, rolled)
 
     def _disaggregated_step(self, host_batch: dict[str, np.ndarray], index: int) -> dict:
