@@ -290,10 +290,11 @@ def _render(args: argparse.Namespace) -> int:
     images = {f"trainer_image_{k}": args.trainer_image for k in kinds if args.trainer_image}
     config = RenderConfig(**images)
     objects = render(job, config)
-    if preflight.applies(job, preflight.PreflightConfig(compile=args.preflight)):
+    checks = preflight.PreflightConfig(compile=args.preflight)
+    if preflight.applies(job, checks):
         # made first: the TPU compiler's answer decides whether the JobSet follows
         key = preflight.program_key(job, preflight.image(job, config))
-        objects.insert(0, preflight.render_preflight(job, config, preflight.PreflightConfig(), key))
+        objects.insert(0, preflight.render_preflight(job, config, checks, key))
     sys.stdout.write(dump_yaml(objects))
     return 0
 
