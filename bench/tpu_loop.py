@@ -91,24 +91,26 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
     return path
 
 
-def posttrain_run(job: Path, out: Path) -> dict:
-    """Runs the job as a user does; tokens/s by step and the seconds from process start
-    to each logged step, from its TensorBoard events."""
+def posttrain_run(job: Path, out: Path, tag: str = "train/tokens_per_second") -> dict:
+    """Runs the job as a user does; `tag`'s value by step and the seconds from process
+    start to each logged step, from its TensorBoard events. Its log (timestamped: where
+    the start-up's seconds go) is kept beside `out` as <out>.log."""
     from tb_events import events
 
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(job)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out.with_suffix(".log").write_text(proc.stdout)
     if proc.returncode:
         print(proc.stdout[-4000:], file=sys.stderr)
         raise SystemExit(f"posttrain run exited {proc.returncode}")
     rates, at = {}, {}
     for event in events(out / "tensorboard"):
         for value in event.summary.value:
-            if value.tag == "train/tokens_per_second":
+            if value.tag == tag:
                 rates[event.step] = value.simple_value
                 at.setdefault(event.step, event.wall_time - start)
-    return {"rates": rates, "seconds_to_step": at, "wall_s": time.time() - start}
+    return {"rates": rates, "seconds_to_step": at, "wall_s": time.time() - start, "started": start}
 
 
 def back_to_back(args: argparse.Namespace) -> dict:
@@ -158,6 +160,13 @@ def main() -> int:
           f"(the first run: step {args.log_every} at "
           f"{first['seconds_to_step'].get(args.log_every, float('nan')):.1f} s)", flush=True)  # fmt: skip
 
+    print(f"process started at {time.strftime('%H:%M:%S', time.localtime(again['started']))}; "
+          "its log up to step 1:", flush=True)  # fmt: skip
+    for line in (root / "again.log").read_text().splitlines():
+        if " INFO " in line or " WARNING " in line:
+            print("  " + line[:160], flush=True)
+        if "step 1" in line:
+            break
     ref = back_to_back(args)
     result = {
         "case": args.case, "layers": args.layers or "all", "seq": args.seq, "batch": args.batch,

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # What posttrain measures on a TPU, in one command on the chip's machine (docs/tpu.md):
-#   bash bench/tpu_suite.sh [PART...]     parts: tests bench attention decode loop (default: all)
+#   bash bench/tpu_suite.sh [PART...]     parts: tests bench attention decode loop grpo (default: all)
 # Each part has a time limit; results go to $OUT (default /tmp/out): tests.txt, bench.jsonl,
-# bench.txt, attention.txt, decode.jsonl, decode.txt, loop.jsonl, loop.txt. Run from the project root after `source .tpu-kit/setup.sh`
+# bench.txt, attention.txt, decode.jsonl, decode.txt, loop.jsonl, loop.txt, grpo.jsonl, grpo.txt. Run from the project root after `source .tpu-kit/setup.sh`
 # (../shared/tpu/README.md), or anywhere posttrain and JAX with a TPU are installed.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-parts=${*:-tests bench attention decode loop}
+parts=${*:-tests bench attention decode loop grpo}
 echo "posttrain $(git rev-parse --short HEAD 2>/dev/null || echo '?') on $(date -u +%FT%TZ)" | tee -a "$OUT/suite.txt"
 for part in $parts; do
   t=$SECONDS
@@ -17,7 +17,8 @@ for part in $parts; do
     attention) timeout "${ATTENTION_LIMIT:-240}" python3 bench/attention.py ${ATTENTION_ARGS:-} 2>&1 | tee "$OUT/attention.txt" ;;
     decode) timeout "${DECODE_LIMIT:-240}" python3 bench/tpu_decode.py ${DECODE_ARGS:-} --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.txt" ;;
     loop) timeout "${LOOP_LIMIT:-420}" python3 bench/tpu_loop.py ${LOOP_ARGS:-} --json "$OUT/loop.jsonl" 2>&1 | tee "$OUT/loop.txt" ;;
-    *) echo "unknown part $part (tests, bench, attention, decode, loop)" >&2; exit 2 ;;
+    grpo) timeout "${GRPO_LIMIT:-300}" python3 bench/tpu_grpo.py ${GRPO_ARGS:-} --json "$OUT/grpo.jsonl" 2>&1 | tee "$OUT/grpo.txt" ;;
+    *) echo "unknown part $part (tests, bench, attention, decode, loop, grpo)" >&2; exit 2 ;;
   esac
   echo "$part took $((SECONDS - t)) s" | tee -a "$OUT/suite.txt"
 done
