@@ -97,7 +97,7 @@ def main() -> int:
     tpu_loop.write_checkpoint(args, root)
     print(f"checkpoint written in {time.time() - t:.0f} s", flush=True)
 
-    out = root / "out"
+    out = root / "grpo-run"
     run = tpu_loop.posttrain_run(job_file(args, root, out), out, tag="train/rollout_seconds")
     times = step_times(out)
     steady = [v for s, v in times.items() if s > 2] or list(times.values())

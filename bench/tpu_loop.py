@@ -94,15 +94,18 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
 def posttrain_run(job: Path, out: Path, tag: str = "train/tokens_per_second") -> dict:
     """Runs the job as a user does; `tag`'s value by step and the seconds from process
     start to each logged step, from its TensorBoard events. Its log (timestamped: where
-    the start-up's seconds go) is kept beside `out` as <out>.log."""
+    the start-up's seconds go) is written as it runs to $OUT/<out's name>.log ($OUT: the
+    folder a device run brings back; default beside `out`), so a run cut by a time limit
+    still shows how far it got."""
     from tb_events import events
 
+    log = Path(os.environ.get("OUT", out.parent)) / f"{out.name}.log"
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(job)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    out.with_suffix(".log").write_text(proc.stdout)
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(job)],
+                              stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     if proc.returncode:
-        print(proc.stdout[-4000:], file=sys.stderr)
+        print(log.read_text()[-4000:], file=sys.stderr)
         raise SystemExit(f"posttrain run exited {proc.returncode}")
     rates, at = {}, {}
     for event in events(out / "tensorboard"):
@@ -110,7 +113,8 @@ def posttrain_run(job: Path, out: Path, tag: str = "train/tokens_per_second") ->
             if value.tag == tag:
                 rates[event.step] = value.simple_value
                 at.setdefault(event.step, event.wall_time - start)
-    return {"rates": rates, "seconds_to_step": at, "wall_s": time.time() - start, "started": start}
+    return {"rates": rates, "seconds_to_step": at, "wall_s": time.time() - start,
+            "started": start, "log": log}  # fmt: skip
 
 
 def back_to_back(args: argparse.Namespace) -> dict:
@@ -162,7 +166,7 @@ def main() -> int:
 
     print(f"process started at {time.strftime('%H:%M:%S', time.localtime(again['started']))}; "
           "its log up to step 1:", flush=True)  # fmt: skip
-    for line in (root / "again.log").read_text().splitlines():
+    for line in again["log"].read_text().splitlines():
         if " INFO " in line or " WARNING " in line:
             print("  " + line[:160], flush=True)
         if "step 1" in line:
