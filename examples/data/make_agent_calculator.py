@@ -8,7 +8,7 @@ takes two calculator calls). Seeded, so every run writes the same bytes:
   short system turn and the question) and the answer. The numbers are two-digit, so the
   answer has three or four digits: SmolLM2-135M does not get it right without the tool.
 - agent-calculator-sft.jsonl (the warm start, examples/agent-calculator-sft-smollm2-cpu.yaml):
-  whole episodes as GRPO renders them: the tools' instructions (the system turn posttrain
+  whole episodes as GRPO renders them: the tool's instructions (the system turn posttrain
   puts first), the prompt, the two calls in chatml's <tool_call> format, the tool's
   answers as <tool_response> user turns, and "Answer: N". Other numbers than the GRPO
   prompts'.
@@ -24,19 +24,12 @@ from pathlib import Path
 HERE = Path(__file__).parent
 GRPO, SFT = HERE / "agent-calculator.jsonl", HERE / "agent-calculator-sft.jsonl"
 SYSTEM = "Solve it with the calculator, one step per call, then write Answer: N."
-# What posttrain's chatml format tells the model about a calculator tool named
-# "calculator" (posttrain.trainer.tool_calls.Format.instructions), as the first system turn.
-TOOLS = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
-    "provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    '{"type": "function", "function": {"name": "calculator", "description": "Computes a op b '
-    'for two numbers a and b and op one of + - * /.", "parameters": {"type": "object", '
-    '"properties": {"a": {"type": "number", "description": "The first operand"}, "b": '
-    '{"type": "number", "description": "The second operand"}, "op": {"type": "string", '
-    '"enum": ["+", "-", "*", "/"], "description": "Operator, one of: + - * /"}}, "required": '
-    '["a", "b", "op"]}}}\n</tools>\n\nFor each function call, return a json object with '
-    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+# What the model is told about its tool: examples/agent-calculator-smollm2-cpu.yaml's
+# spec.grpo.agent.instructions, which posttrain puts first as a system turn (the standard
+# chatml text with the calculator's JSON schema takes 243 tokens; this one 40).
+INSTRUCTIONS = (
+    'Call the calculator as <tool_call>{"name": "calculator", "arguments": {"a": 2, "b": 3, '
+    '"op": "*"}}</tool_call> with op one of + - * /.'
 )
 
 
@@ -68,7 +61,7 @@ def sft_rows(rng: random.Random, n: int) -> list[str]:
     out = []
     for _ in range(n):
         a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99)
-        messages = [{"role": "system", "content": TOOLS}, *prompt(a, b, c)]
+        messages = [{"role": "system", "content": INSTRUCTIONS}, *prompt(a, b, c)]
         messages += [
             {"role": "assistant", "content": call(a, b, "*")},
             {"role": "user", "content": result(a * b)},

@@ -1,6 +1,6 @@
 """examples/agent-calculator-*-smollm2-cpu.yaml hold together: the data files are what
 their generator writes, the warm start's episodes open with the very instructions and
-prompt the GRPO example's rollouts give the model (so SFT teaches the format GRPO samples
+prompt the GRPO example's rollouts give the model (its spec.grpo.agent.instructions) (so SFT teaches the format GRPO samples
 in), and the GRPO example restores the warm start's adapter with its rank, alpha and
 targets. Nothing here runs a model (the runs are in docs/user-guide.md)."""
 
@@ -35,7 +35,10 @@ def test_warm_start_episodes_open_as_the_grpo_rollouts_do():
     sft = load_job(SFT).spec
     assert Path(ROOT / sft.data.source).name == "agent-calculator-sft.jsonl"
     box = Toolbox(grpo.grpo.agent, environ={})
-    instructions = tool_calls.FORMATS["chatml"].instructions(box.schemas())
+    instructions = grpo.grpo.agent.instructions  # the example's own, short text
+    assert instructions and instructions.startswith("Call the calculator as <tool_call>")
+    (shown,) = tool_calls.FORMATS["chatml"].parse(instructions)  # its call reads and runs
+    assert shown.error is None and shown.name == "calculator" and box.run(shown) == "6"
     prompts = [json.loads(line) for line in (ROOT / grpo.data.source).open()]
     episodes = [json.loads(line)["messages"] for line in (ROOT / sft.data.source).open()]
     system = prompts[0]["prompt"][0]

@@ -525,6 +525,13 @@ class AgentSpec(KubeModel):
     turn_length: int | None = Field(default=None, ge=1, le=LENGTH_MAX)
     """Tokens the model may write in one turn. Default: maxCompletionLength."""
 
+    instructions: str | None = Field(default=None, min_length=1, max_length=16384)
+    """What the model is told about its tools and how to call them, put before the
+    prompt as a system turn (gemma: at the start of the first user turn). Default: the
+    family's standard text listing every tool's JSON schema (Qwen's for chatml). Set it
+    to the text a model was fine-tuned with, or to a shorter one: the standard text
+    takes about 100 tokens plus each tool's schema, in every episode's context."""
+
 
 class GrpoLoss(StrEnum):
     grpo = "grpo"

@@ -1,8 +1,9 @@
 """Multi-turn GRPO episodes with tools (spec.grpo.agent), on posttrain's rollout.
 
 An episode starts from the prompt with the tools' instructions (``tool_calls.Format``).
-Each turn, every episode's context is sampled on at once (one batch, the same shape every
-turn, so the sampler compiles once); a turn that ends (its EOS) with tool calls has them
+Each turn, every episode's context is sampled on at once (one batch, padded to the longest
+context rounded up to 64 tokens: the sampler compiles once per width, and a first turn's
+prefill costs the prompt's length, not the whole episode's budget); a turn that ends (its EOS) with tool calls has them
 run (``tools.Toolbox``) and their results appended as the family's tool message; the
 episode ends at a turn without calls, at maxTurns, at a turn cut at turnLength, or when
 maxCompletionLength tokens follow the prompt. The contexts are token ids, never text
@@ -74,6 +75,17 @@ def widen(rollout_config: Any, g: Any) -> None:
     rollout_config.kv_cache_size = rollout_config.max_prompt_length + turn
 
 
+CONTEXT_BUCKET = 64
+
+
+def context_width(longest: int, full: int) -> int:
+    """The width a turn's contexts are padded to for the sampler: the longest rounded up
+    to a multiple of CONTEXT_BUCKET tokens, at most `full` (the prompt and the whole
+    episode's budget). An early turn's prefill then costs its own length, not the
+    budget's, and the sampler compiles once per width, not once per turn."""
+    return min(full, -(-longest // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+
+
 class AgentRollout:
     def __init__(
         self,
@@ -93,7 +105,7 @@ class AgentRollout:
         self.turn_length = int(agent.turn_length or g.max_completion_length)
         self.prompt_length = int(g.max_prompt_length)
         self.budget = int(g.max_completion_length)
-        self.instructions = self.format.instructions(self.toolbox.schemas())
+        self.instructions = agent.instructions or self.format.instructions(self.toolbox.schemas())
         self.said_cut = False
 
     def run(
@@ -112,16 +124,20 @@ class AgentRollout:
         turns, calls_made, errors = [0] * n, [0] * n, [0] * n
         active = [True] * n
         keys = [f"\x00posttrain-episode-{i}" for i in range(n)]
+        full = rollout_config.max_prompt_length
         for turn in range(self.max_turns):
             if not any(active):
                 break
             for i in range(n):
                 tok.pinned[keys[i]] = prompt_ids[i] + completion[i]
             rollout_config.seed = np.asarray(jax.random.fold_in(key, turn))
+            longest = max(len(prompt_ids[i]) + len(completion[i]) for i in range(n))
+            rollout_config.max_prompt_length = context_width(longest, full)
             try:
                 out = generate(keys)
             finally:
                 tok.pinned.clear()
+                rollout_config.max_prompt_length = full
             for i in range(n):
                 if not active[i]:
                     continue

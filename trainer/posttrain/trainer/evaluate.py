@@ -95,12 +95,23 @@ def _sums(measured: list[dict[str, Any]]) -> dict[str, float]:
     return sums
 
 
+def _batch_rows(spec: Any, available: int, rows_per_batch: int | None) -> int:
+    if rows_per_batch and available >= rows_per_batch:
+        return rows_per_batch
+    return spec.training.batch_size
+
+
 def held_out_batches(
-    spec: Any, rows: data.Rows, process_index: int, process_count: int
+    spec: Any,
+    rows: data.Rows,
+    process_index: int,
+    process_count: int,
+    rows_per_batch: int | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """This host's share of the held-out batches, in the files' order (unpacked: each
-    held-out example once)."""
-    batch_size = spec.training.batch_size
+    held-out example once). A batch holds spec.training.batchSize rows, or
+    `rows_per_batch` where the held-out data has that many."""
+    batch_size = _batch_rows(spec, len(rows), rows_per_batch)
     if len(rows) < batch_size:
         raise data.DataError(
             f"spec.eval: the held-out data has {len(rows)} rows, fewer than "
@@ -127,9 +138,11 @@ def build(
     measure: Measure,
     summarize: Summarize,
     model: nnx.Module,
+    rows_per_batch: int | None = None,
 ) -> Evaluation | None:
     """The job's Evaluation (None without spec.eval). `held_out` is the held-out rows, or
-    a mixture's [(source, rows)]: each source is measured alone too."""
+    a mixture's [(source, rows)]: each source is measured alone too. `rows_per_batch`:
+    see held_out_batches."""
     if held_out is None:
         return None
     settings = spec.eval
@@ -139,14 +152,16 @@ def build(
     for name, records in named:
         rows = data.build_rows(spec, tokenizer, records)
         start = len(batches)
-        batches += held_out_batches(spec, rows, process.process_id, process.num_processes)
+        batches += held_out_batches(
+            spec, rows, process.process_id, process.num_processes, rows_per_batch
+        )
         if name and len(named) > 1:
             groups.append((name, start, len(batches)))
     log.info(
         "held-out evaluation: %d rows, %d batches of %d every %s",
         sum(len(r) for _, r in named),
         len(batches),
-        spec.training.batch_size,
+        _batch_rows(spec, len(named[0][1]), rows_per_batch),
         f"{settings.every_steps} steps" if settings.every_steps else "run (at the end)",
     )
     prompts: list[str] = []

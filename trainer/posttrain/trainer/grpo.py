@@ -587,7 +587,10 @@ def train(run: loop.RunSetup) -> loop.Result:
     grpo_run = GrpoRun(run.job, run.process, run.policy, run.tokenizer, run.mesh)
     run.loader = grpo_run.loader = rl_placement.Lookahead(run.loader)
     try:
-        return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary)
+        # A held-out batch is as many prompts as a step samples rows (one greedy rollout
+        # each): the sampler runs at the shape it compiled for training.
+        eval_rows = run.job.spec.training.batch_size * run.job.spec.grpo.num_generations
+        return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary, eval_rows)
     finally:
         grpo_run.close()
 

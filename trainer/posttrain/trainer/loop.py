@@ -205,12 +205,21 @@ class RunSetup:
         step: Any,
         measure: evaluate.Measure,
         summarize: evaluate.Summarize,
+        eval_rows: int | None = None,
     ) -> Result:
         """run_steps with `step`, evaluating spec.eval's held-out data by `measure` and
-        `summarize` (see evaluate.build)."""
+        `summarize` in batches of `eval_rows` rows where it has that many (see
+        evaluate.build)."""
         spec = self.job.spec
         evaluation = evaluate.build(
-            spec, self.tokenizer, self.held_out, self.process, measure, summarize, self.policy.model
+            spec,
+            self.tokenizer,
+            self.held_out,
+            self.process,
+            measure,
+            summarize,
+            self.policy.model,
+            eval_rows,
         )
         return run_steps(
             self.job,
