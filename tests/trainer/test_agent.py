@@ -261,6 +261,9 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
     assert "error: no tool named 'web' (tools: calc)" in out.text[1]
     assert out.completion_mask[2].sum() == len(enc("7")) + 1  # one turn, no tools
     assert len(policy.contexts) == 2  # episode 0 and 1 took two turns; nobody a third
+    # Episode 2 ended after one turn: its row then samples an active episode's context,
+    # so the turn lasts as long as the active episodes' turns.
+    assert policy.contexts[1][2] == policy.contexts[1][0]
     # Each turn's contexts are padded to the longest rounded up to 64 tokens, not to the
     # whole budget; the config is left as it was.
     longest = [max(len(c) for c in turn) for turn in policy.contexts]

@@ -1,9 +1,10 @@
 """Multi-turn GRPO episodes with tools (spec.grpo.agent), on posttrain's rollout.
 
 An episode starts from the prompt with the tools' instructions (``tool_calls.Format``).
-Each turn, every episode's context is sampled on at once (one batch, padded to the longest
-context rounded up to 64 tokens: the sampler compiles once per width, and a first turn's
-prefill costs the prompt's length, not the whole episode's budget); a turn that ends (its EOS) with tool calls has them
+Each turn, every active episode's context is sampled on at once (one batch of the same
+rows every turn, an ended episode's row sampling an active one's context; padded to the
+longest context rounded up to 64 tokens: the sampler compiles once per width, and a first
+turn's prefill costs the prompt's length, not the whole episode's budget); a turn that ends (its EOS) with tool calls has them
 run (``tools.Toolbox``) and their results appended as the family's tool message; the
 episode ends at a turn without calls, at maxTurns, at a turn cut at turnLength, or when
 maxCompletionLength tokens follow the prompt. The contexts are token ids, never text
@@ -128,10 +129,15 @@ class AgentRollout:
         for turn in range(self.max_turns):
             if not any(active):
                 break
-            for i in range(n):
-                tok.pinned[keys[i]] = prompt_ids[i] + completion[i]
+            # An ended episode's row samples an active one's context (its output is not
+            # read): the batch keeps its shape, and the turn lasts as long as the active
+            # episodes' turns, not as long as an ended one's continuation would.
+            first = active.index(True)
+            rows = [i if active[i] else first for i in range(n)]
+            for i, j in enumerate(rows):
+                tok.pinned[keys[i]] = prompt_ids[j] + completion[j]
             rollout_config.seed = np.asarray(jax.random.fold_in(key, turn))
-            longest = max(len(prompt_ids[i]) + len(completion[i]) for i in range(n))
+            longest = max(len(prompt_ids[j]) + len(completion[j]) for j in rows)
             rollout_config.max_prompt_length = context_width(longest, full)
             try:
                 out = generate(keys)
