@@ -528,6 +528,27 @@ def test_hf_source_revision(monkeypatch, tmp_path):
     assert [(r, kw["revision"]) for r, kw in calls] == [("org/model", "v1.0"), ("org/model", None)]
 
 
+def test_held_out_batches_hold_the_rows_asked_for_where_there_are_that_many(model_dir):
+    from posttrain.trainer import evaluate
+
+    doc = job_doc(model_dir, "/unused")
+    doc["spec"]["eval"] = {"fraction": 0.5}
+    job, _ = validate(doc)
+    tokenizer = data.load_tokenizer(str(model_dir))
+    held_out = data.held_out_split(data.open_records(str(DATA)), 0.5, seed=0)[1]
+    rows = data.build_rows(job.spec, tokenizer, held_out)
+    batch = job.spec.training.batch_size
+
+    def sizes(rows_per_batch):
+        out = evaluate.held_out_batches(job.spec, rows, 0, 1, rows_per_batch)
+        return {len(b["input_ids"]) for b in out}
+
+    assert len(rows) >= 2 * batch
+    assert sizes(None) == {batch}
+    assert sizes(2 * batch) == {2 * batch}  # GRPO: a step's rollout rows
+    assert sizes(len(rows) + 1) == {batch}  # fewer held-out rows than asked: batchSize
+
+
 def test_a_second_evaluation_compiles_nothing(model_dir, caplog):
     from posttrain.trainer import evaluate
     from posttrain.trainer.loop import _global_batch

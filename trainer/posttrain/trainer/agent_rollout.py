@@ -1,11 +1,12 @@
 """Multi-turn GRPO episodes with tools (spec.grpo.agent), on posttrain's rollout.
 
 An episode starts from the prompt with the tools' instructions (``tool_calls.Format``).
-Each turn, every active episode's context is sampled on at once (one batch of the same
-rows every turn, an ended episode's row sampling an active one's context; padded to the
-longest context rounded up to 64 tokens: the sampler compiles once per width, and a first
-turn's prefill costs the prompt's length, not the whole episode's budget); a turn that ends (its EOS) with tool calls has them
-run (``tools.Toolbox``) and their results appended as the family's tool message; the
+Each turn, every active episode's context is sampled on at once: one batch of the same
+rows every turn (an ended episode's row samples an active one's context), padded to the
+longest context rounded up to 64 tokens, so the sampler compiles once per width and a
+first turn's prefill costs the prompt's length, not the whole episode's budget. A turn
+that ends (its EOS) with tool calls has them run (``tools.Toolbox``) and their results
+appended as the family's tool message; the
 episode ends at a turn without calls, at maxTurns, at a turn cut at turnLength, or when
 maxCompletionLength tokens follow the prompt. The contexts are token ids, never text
 decoded and encoded again: ``PinnedTokenizer`` hands the sampler the ids kept for a
