@@ -275,6 +275,12 @@ CASES: list[Case] = [
         "maxTurns above 1 needs tools",
     ),
     Case(
+        "grpo-agent-empty-instructions",
+        _grpo({"agent": {"tools": [{"name": "calc", "type": "calculator"}], "instructions": ""}}),
+        "spec.grpo.agent.instructions",
+        "at least 1",
+    ),
+    Case(
         "grpo-agent-tool-name-not-identifier",
         _grpo({"agent": {"tools": [{"name": "2-calc", "type": "calculator"}]}}),
         "spec.grpo.agent.tools[0].name",
