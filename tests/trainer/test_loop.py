@@ -528,15 +528,20 @@ def test_hf_source_revision(monkeypatch, tmp_path):
     assert [(r, kw["revision"]) for r, kw in calls] == [("org/model", "v1.0"), ("org/model", None)]
 
 
+def _held_out_rows(model_dir, fraction: float):
+    """A job holding out `fraction` of DATA, and those rows built for it."""
+    doc = job_doc(model_dir, "/unused")
+    doc["spec"]["eval"] = {"fraction": fraction}
+    job, _ = validate(doc)
+    tokenizer = data.load_tokenizer(str(model_dir))
+    held_out = data.held_out_split(data.open_records(str(DATA)), fraction, seed=0)[1]
+    return job, data.build_rows(job.spec, tokenizer, held_out)
+
+
 def test_held_out_batches_hold_the_rows_asked_for_where_there_are_that_many(model_dir):
     from posttrain.trainer import evaluate
 
-    doc = job_doc(model_dir, "/unused")
-    doc["spec"]["eval"] = {"fraction": 0.5}
-    job, _ = validate(doc)
-    tokenizer = data.load_tokenizer(str(model_dir))
-    held_out = data.held_out_split(data.open_records(str(DATA)), 0.5, seed=0)[1]
-    rows = data.build_rows(job.spec, tokenizer, held_out)
+    job, rows = _held_out_rows(model_dir, 0.5)
     batch = job.spec.training.batch_size
 
     def sizes(rows_per_batch):
@@ -553,12 +558,7 @@ def test_a_second_evaluation_compiles_nothing(model_dir, caplog):
     from posttrain.trainer import evaluate
     from posttrain.trainer.loop import _global_batch
 
-    doc = job_doc(model_dir, "/unused")
-    doc["spec"]["eval"] = {"fraction": 0.2}
-    job, _ = validate(doc)
-    tokenizer = data.load_tokenizer(str(model_dir))
-    held_out = data.held_out_split(data.open_records(str(DATA)), 0.2, seed=0)[1]
-    rows = data.build_rows(job.spec, tokenizer, held_out)
+    job, rows = _held_out_rows(model_dir, 0.2)
     model, _ = models.load_model(model_dir)
     mesh = models.make_mesh()
     measure, summarize = evaluate.token_loss(model, lambda b: _global_batch(b, mesh))
