@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,15 +22,11 @@ from verifier_server import VerifierServer
 
 from posttrain.api.spec import AgentSpec, GrpoSpec
 from posttrain.trainer import tool_calls
-from posttrain.trainer.agent_rollout import (
-    AgentRollout,
-    PinnedTokenizer,
-    context_width,
-    step_metrics,
-)
+from posttrain.trainer.agent_rollout import AgentRollout, step_metrics
 from posttrain.trainer.data.tokenizer import load_tokenizer
 from posttrain.trainer.tool_calls import Call
 from posttrain.trainer.tools import Toolbox
+from posttrain.trainer.tunix_rl import TunixTokenizer
 
 TOKEN = "tool-token-1234"
 CALC = {"name": "calc", "type": "calculator"}
@@ -196,21 +191,19 @@ def test_a_python_tool_from_the_standard_library_is_refused():
 
 
 class ScriptedPolicy:
-    """Stands in for the sampler: writes the turns a test scripts for each episode, and
-    keeps the token ids of every context it was given."""
+    """Stands in for the sampler: writes the turns a test scripts for each episode (each
+    ended by its EOS), and keeps the token ids of every context it was given."""
 
-    def __init__(self, tok: PinnedTokenizer, script: list[list[str]], config=None):
-        self.tok, self.script, self.contexts, self.widths = tok, script, [], []
-        self.config = config or SimpleNamespace(seed=None, max_prompt_length=10**6)
+    def __init__(self, tok: TunixTokenizer, script: list[list[str]]):
+        self.tok, self.script, self.contexts = tok, script, []
 
-    def __call__(self, keys: list[str]):
-        contexts = [list(self.tok.encode(k)) for k in keys]
+    def turn(self, contexts, key):
         self.contexts.append(contexts)
-        self.widths.append(self.config.max_prompt_length)  # what the sampler pads to
         turn = len(self.contexts) - 1
         texts = [s[turn] if turn < len(s) else "" for s in self.script]
-        tokens = [self.tok.tokenizer.encode(t) for t in texts]
-        return SimpleNamespace(tokens=tokens, text=texts)
+        eos = [self.tok.eos_id()]
+        return [[] if c is None else self.tok.tokenizer.encode(t) + eos
+                for c, t in zip(contexts, texts, strict=True)]  # fmt: skip
 
 
 def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
@@ -223,10 +216,9 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
             "agent": {"maxTurns": 3, "tools": [CALC], "turnLength": 100},
         }
     )
-    tok = PinnedTokenizer(tokenizer, g.max_prompt_length)
+    tok = TunixTokenizer(tokenizer, g.max_prompt_length)
     rollout = AgentRollout(g, tok, tokenizer.chat_template, environ={})
     call = '<tool_call>{"name": "calc", "arguments": {"a": 6, "b": 7, "op": "*"}}</tool_call>'
-    config = SimpleNamespace(seed=None, max_prompt_length=1400)  # as widen() sets it
     policy = ScriptedPolicy(
         tok,
         [
@@ -234,10 +226,9 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
             ['<tool_call>{"name": "web"}</tool_call>', "No."],  # an unknown tool
             ["7"],  # answers at once
         ],
-        config,
     )
     prompt = "<|im_start|>user\nWhat is 6 x 7?<|im_end|>\n<|im_start|>assistant\n"
-    out = rollout.run([prompt] * 3, np.array([0, 1], np.uint32), policy, config)
+    out = rollout.run([prompt] * 3, np.array([0, 1], np.uint32), policy)
 
     eos = tok.eos_id()
     enc = tokenizer.encode
@@ -261,14 +252,7 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
     assert "error: no tool named 'web' (tools: calc)" in out.text[1]
     assert out.completion_mask[2].sum() == len(enc("7")) + 1  # one turn, no tools
     assert len(policy.contexts) == 2  # episode 0 and 1 took two turns; nobody a third
-    # Episode 2 ended after one turn: its row then samples an active episode's context,
-    # so the turn lasts as long as the active episodes' turns.
-    assert policy.contexts[1][2] == policy.contexts[1][0]
-    # Each turn's contexts are padded to the longest rounded up to 64 tokens, not to the
-    # whole budget; the config is left as it was.
-    longest = [max(len(c) for c in turn) for turn in policy.contexts]
-    assert policy.widths == [-(-n // 64) * 64 for n in longest] and longest[1] > longest[0]
-    assert config.max_prompt_length == 1400
+    assert policy.contexts[1][2] is None  # episode 2 ended after one turn
     assert out.per_episode["episode_turns"].tolist() == [2, 2, 1]
     assert out.per_episode["episode_tool_errors"].tolist() == [0, 1, 0]
     assert step_metrics(out.per_episode) == {
@@ -281,14 +265,6 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
     assert out.left_padded_prompt_tokens[0, -len(first_context) :].tolist() == first_context
 
 
-def test_a_turns_context_width_is_its_longest_rounded_up_within_the_budget():
-    assert context_width(1, 440) == 64
-    assert context_width(64, 440) == 64
-    assert context_width(65, 440) == 128
-    assert context_width(400, 440) == 440  # never past the prompt and the whole budget
-    assert context_width(440, 440) == 440
-
-
 def test_an_episode_stops_at_its_token_budget(tmp_path):
     tokenizer = load_tokenizer(str(make_tokenizer_dir(tmp_path / "tok")))
     g = GrpoSpec.model_validate(
@@ -299,12 +275,11 @@ def test_an_episode_stops_at_its_token_budget(tmp_path):
             "agent": {"maxTurns": 5, "tools": [CALC]},
         }
     )
-    tok = PinnedTokenizer(tokenizer, g.max_prompt_length)
+    tok = TunixTokenizer(tokenizer, g.max_prompt_length)
     rollout = AgentRollout(g, tok, tokenizer.chat_template, environ={})
     call = '<tool_call>{"name": "calc", "arguments": {"a": 1, "b": 1, "op": "+"}}</tool_call>'
     policy = ScriptedPolicy(tok, [[call] * 5])
-    out = rollout.run(["<|im_start|>user\nHi<|im_end|>\n"], np.array([0, 2], np.uint32), policy,
-                      SimpleNamespace(seed=None, max_prompt_length=440))  # fmt: skip
+    out = rollout.run(["<|im_start|>user\nHi<|im_end|>\n"], np.array([0, 2], np.uint32), policy)
     assert out.completion_ids.shape == (1, 40) and out.completion_mask.shape == (1, 40)
     assert len(policy.contexts) == 1  # the first turn and its tool message fill the budget
     assert (out.completion_ids[0] != tok.pad_id()).all()
@@ -323,11 +298,10 @@ def test_a_jobs_own_instructions_replace_the_standard_text(tmp_path):
                 "agent": {"maxTurns": 2, "tools": [CALC], **agent},
             }
         )
-        tok = PinnedTokenizer(tokenizer, g.max_prompt_length)
+        tok = TunixTokenizer(tokenizer, g.max_prompt_length)
         rollout = AgentRollout(g, tok, tokenizer.chat_template, environ={})
         policy = ScriptedPolicy(tok, [["7"]])
-        rollout.run(["<|im_start|>user\nHi<|im_end|>\n"], np.array([0, 3], np.uint32), policy,
-                    SimpleNamespace(seed=None, max_prompt_length=10**6))  # fmt: skip
+        rollout.run(["<|im_start|>user\nHi<|im_end|>\n"], np.array([0, 3], np.uint32), policy)
         contexts[name] = tokenizer.decode(policy.contexts[0][0])
     assert (
         contexts["own"] == f"<|im_start|>system\n{own}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"

@@ -1,16 +1,14 @@
 """Multi-turn GRPO episodes with tools (spec.grpo.agent), on posttrain's rollout.
 
 An episode starts from the prompt with the tools' instructions (``tool_calls.Format``).
-Each turn, every active episode's context is sampled on at once: one batch of the same
-rows every turn (an ended episode's row samples an active one's context), padded to the
-longest context rounded up to 64 tokens, so the sampler compiles once per width and a
-first turn's prefill costs the prompt's length, not the whole episode's budget. A turn
-that ends (its EOS) with tool calls has them run (``tools.Toolbox``) and their results
-appended as the family's tool message; the
-episode ends at a turn without calls, at maxTurns, at a turn cut at turnLength, or when
-maxCompletionLength tokens follow the prompt. The contexts are token ids, never text
-decoded and encoded again: ``PinnedTokenizer`` hands the sampler the ids kept for a
-context's key, so what the model is trained on is what it saw and wrote.
+Each turn, every active episode's context is sampled on at once by an ``EpisodeSampler``,
+which keeps each episode's KV cache across its turns: a turn prefills only what came
+since the last (the tool message), not the whole context again. A turn that ends (its
+EOS) with tool calls has them run (``tools.Toolbox``) and their results appended as the
+family's tool message; the episode ends at a turn without calls, at maxTurns, at a turn
+cut at turnLength, or when maxCompletionLength tokens follow the prompt. The contexts are
+token ids, never text decoded and encoded again, so what the model is trained on is what
+it saw and wrote.
 
 The episode becomes one GRPO rollout: the prompt's ids, and after them the model's turns
 (loss mask 1, each with its EOS) and the tool messages (mask 0) up to
@@ -23,37 +21,26 @@ Why not Tunix's agentic learner (``tunix.rl.agentic``: ToolAgent, ToolEnvironmen
 rollout orchestrator): it runs its own training loop, asynchronous and string-based, while
 posttrain's loop keeps exact resume, host-local rollouts and bounded staleness (see
 docs/architecture.md). posttrain takes its tools (``BaseTool``, ``CalculatorTool``) and
-keeps the episode loop here, over the same sampler GRPO's single turns use.
+keeps the episode loop here, on the policy's weights as GRPO's single turns sample them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from posttrain.trainer import tool_calls
+from posttrain.trainer.episode_sampler import EpisodeSampler
 from posttrain.trainer.tools import Toolbox
 from posttrain.trainer.tunix_rl import TunixTokenizer
 
 log = logging.getLogger("posttrain.grpo")
-
-
-class PinnedTokenizer(TunixTokenizer):
-    """TunixTokenizer that encodes a context key (``pin``) to the ids kept for it."""
-
-    def __init__(self, tokenizer: Any, max_prompt_length: int):
-        super().__init__(tokenizer, max_prompt_length)
-        self.pinned: dict[str, list[int]] = {}
-
-    def encode(self, text: str, **kwargs: Any) -> list[int]:
-        ids = self.pinned.get(text)
-        return list(ids) if ids is not None else super().encode(text, **kwargs)
 
 
 @dataclass
@@ -68,31 +55,18 @@ class Episodes:
     per_episode: dict[str, np.ndarray]  # turns, tool_calls, tool_errors of each episode
 
 
-def widen(rollout_config: Any, g: Any) -> None:
-    """The sampler's shapes for episodes: contexts up to the prompt plus the episode's
-    budget, turns of turnLength tokens."""
-    turn = int(g.agent.turn_length or g.max_completion_length)
-    rollout_config.max_prompt_length = g.max_prompt_length + g.max_completion_length
-    rollout_config.max_tokens_to_generate = turn
-    rollout_config.kv_cache_size = rollout_config.max_prompt_length + turn
-
-
-CONTEXT_BUCKET = 64
-
-
-def context_width(longest: int, full: int) -> int:
-    """The width a turn's contexts are padded to for the sampler: the longest rounded up
-    to a multiple of CONTEXT_BUCKET tokens, at most `full` (the prompt and the whole
-    episode's budget). An early turn's prefill then costs its own length, not the
-    budget's, and the sampler compiles once per width, not once per turn."""
-    return min(full, -(-longest // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+class TurnSampler(Protocol):
+    def turn(self, contexts: Sequence[list[int] | None], key: Any) -> list[list[int]]:
+        """The tokens each row's context (None: ended) continues with this turn, its EOS
+        included when it wrote one."""
+        ...
 
 
 class AgentRollout:
     def __init__(
         self,
         g: Any,
-        tok: PinnedTokenizer,
+        tok: TunixTokenizer,
         template_source: str | None,
         environ: Mapping[str, str] = os.environ,
     ):
@@ -110,13 +84,20 @@ class AgentRollout:
         self.instructions = agent.instructions or self.format.instructions(self.toolbox.schemas())
         self.said_cut = False
 
-    def run(
-        self,
-        prompts: Sequence[str],
-        key: Any,
-        generate: Callable[[list[str]], Any],
-        rollout_config: Any,
-    ) -> Episodes:
+    def sampler(self, model: Any, rows: int, temperature: float | None) -> EpisodeSampler:
+        """A sampler for one batch of `rows` episodes on `model` (greedy without a
+        temperature), its cache the prompt, the episode's budget and a turn long."""
+        return EpisodeSampler(
+            model,
+            rows,
+            self.prompt_length + self.budget + self.turn_length,
+            self.turn_length,
+            eos=self.tok.eos_id(),
+            pad=self.tok.pad_id(),
+            temperature=temperature,
+        )
+
+    def run(self, prompts: Sequence[str], key: Any, sampler: TurnSampler) -> Episodes:
         tok, eos, pad = self.tok, self.tok.eos_id(), self.tok.pad_id()
         n = len(prompts)
         prompt_ids = [self._prompt_ids(str(p)) for p in prompts]
@@ -125,40 +106,22 @@ class AgentRollout:
         own: list[list[int]] = [[] for _ in range(n)]
         turns, calls_made, errors = [0] * n, [0] * n, [0] * n
         active = [True] * n
-        keys = [f"\x00posttrain-episode-{i}" for i in range(n)]
-        full = rollout_config.max_prompt_length
         for turn in range(self.max_turns):
             if not any(active):
                 break
-            # An ended episode's row samples an active one's context (its output is not
-            # read): the batch keeps its shape, and the turn lasts as long as the active
-            # episodes' turns, not as long as an ended one's continuation would.
-            first = active.index(True)
-            rows = [i if active[i] else first for i in range(n)]
-            for i, j in enumerate(rows):
-                tok.pinned[keys[i]] = prompt_ids[j] + completion[j]
-            rollout_config.seed = np.asarray(jax.random.fold_in(key, turn))
-            longest = max(len(prompt_ids[j]) + len(completion[j]) for j in rows)
-            rollout_config.max_prompt_length = context_width(longest, full)
-            try:
-                out = generate(keys)
-            finally:
-                tok.pinned.clear()
-                rollout_config.max_prompt_length = full
+            contexts = [prompt_ids[i] + completion[i] if active[i] else None for i in range(n)]
+            out = sampler.turn(contexts, jax.random.fold_in(key, turn))
             for i in range(n):
                 if not active[i]:
                     continue
-                written = [int(t) for t in out.tokens[i]]
-                ended = len(written) < self.turn_length or (written and written[-1] == eos)
-                if ended and (not written or written[-1] != eos):
-                    written.append(eos)
-                room = self.budget - len(completion[i])
-                written = written[:room]
+                written = out[i][: self.budget - len(completion[i])]
+                ended = written[-1:] == [eos]
                 completion[i] += written
                 mask[i] += [1] * len(written)
                 own[i] += written
                 turns[i] += 1
-                calls = self.format.parse(str(out.text[i])) if ended else []
+                text = tok.decode(written[:-1] if ended else written)
+                calls = self.format.parse(text) if ended else []
                 last = turn == self.max_turns - 1
                 if not calls or last or len(completion[i]) >= self.budget:
                     active[i] = False

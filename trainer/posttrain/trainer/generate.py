@@ -81,12 +81,6 @@ def load(target: str, scratch: Path) -> tuple[nnx.Module, data.Tokenizer]:
     return model, data.load_tokenizer(location if has_tokenizer else base_dir)
 
 
-@nnx.jit
-def _next_logits(model, tokens, positions, cache, mask):
-    logits, cache = models.compute_view(model)(tokens, positions, cache, mask)
-    return logits[:, -1].astype(jnp.float32), cache
-
-
 def stream(
     model: nnx.Module,
     prompt_ids: Sequence[int],
@@ -107,11 +101,11 @@ def stream(
     positions = jnp.arange(length, dtype=jnp.int32)[None]
     mask = (slots[None, :] <= jnp.arange(length)[:, None])[None]
     for i in range(max_new_tokens):
-        logits, cache = _next_logits(model, tokens, positions, cache, mask)
+        logits, cache = models.next_logits(model, tokens, positions, cache, mask)
         if i == 0 and max_new_tokens > 1:  # compile the decoding step before the first token
             at = jnp.full((1, 1), length, jnp.int32)  # the next step's shapes and types
             step_mask = (slots <= length)[None, None, :]
-            jax.block_until_ready(_next_logits(model, at, at, cache, step_mask))
+            jax.block_until_ready(models.next_logits(model, at, at, cache, step_mask))
         row = np.asarray(logits[0], np.float64)
         if temperature > 0:
             p = np.exp((row - row.max()) / temperature)

@@ -211,8 +211,7 @@ class GrpoRun:
         check_rollout_engine(str(g.rollout_engine))
         self.spec, self.g, self.policy, self.mesh = spec, g, policy, mesh
         self.process = process
-        tok_class = agent_rollout.PinnedTokenizer if g.agent else TunixTokenizer
-        self.tok = tok_class(tokenizer, g.max_prompt_length)
+        self.tok = TunixTokenizer(tokenizer, g.max_prompt_length)
         self.pad_id, self.eos_id = self.tok.pad_id(), self.tok.eos_id()
         self.reward_fns = rewards.build_rewards(
             g, count_tokens=lambda text: len(tokenizer.encode(text))
@@ -235,7 +234,6 @@ class GrpoRun:
         )
         self.agent = None  # spec.grpo.agent: multi-turn episodes with tools
         if g.agent:
-            agent_rollout.widen(self.rollout_config, g)
             template = tokenizer.template(spec.data.chat_template)
             self.agent = agent_rollout.AgentRollout(g, self.tok, template and template.source)
         cfg = policy.model.config
@@ -431,7 +429,7 @@ class GrpoRun:
         # host-local sampler.
         self.rollout_config.seed = np.asarray(key)
         if self.agent is not None:
-            out = self.agent.run(repeated, key, self.cluster.generate, self.rollout_config)
+            out = self._episodes(repeated, key, self.g.temperature)
             completion_ids, completion_mask = out.completion_ids, out.completion_mask
         else:
             out = self.cluster.generate(repeated)
@@ -462,6 +460,12 @@ class GrpoRun:
             **getattr(out, "per_episode", {}),
         }
 
+    def _episodes(self, prompts: list[str], key: Any, temperature: float | None) -> Any:
+        """spec.grpo.agent's episodes of `prompts` on the sampler's model (greedy without
+        a temperature)."""
+        model = self.cluster.rollout.model()
+        return self.agent.run(prompts, key, self.agent.sampler(model, len(prompts), temperature))
+
     def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
         """Greedy completions of held-out prompts, scored by spec.grpo.rewards: the summed
         reward, the prompts that passed (every reward but lengthPenalty positive) and the
@@ -476,7 +480,7 @@ class GrpoRun:
                 # The loop runs under the trainer's mesh; a disaggregated sampler's own.
                 with jax.set_mesh(self.sampler_mesh or self.mesh):
                     if self.agent is not None:
-                        out = self.agent.run(prompts, config.seed, self.cluster.generate, config)
+                        out = self._episodes(prompts, config.seed, None)
                     else:
                         out = self.cluster.generate(prompts)
             finally:

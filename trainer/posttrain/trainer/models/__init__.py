@@ -43,6 +43,7 @@ from posttrain.trainer.models.generation import (
     forward,
     greedy_generate,
     init_cache,
+    next_logits,
     without_remat,
 )
 from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
@@ -67,6 +68,7 @@ __all__ = [
     "greedy_generate",
     "host_array",
     "init_cache",
+    "next_logits",
     "load_model",
     "make_mesh",
     "model_info",

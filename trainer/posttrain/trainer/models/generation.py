@@ -104,9 +104,11 @@ def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any =
 
 
 @nnx.jit
-def _greedy_step(model, tokens, positions, cache, mask):
+def next_logits(model, tokens, positions, cache, mask):
+    """One forward pass over the KV cache (a prefill or a decoding step): float32 logits
+    of each row's last position ``[B, V]`` and the updated cache."""
     logits, cache = compute_view(model)(tokens, positions, cache, mask)
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+    return logits[:, -1].astype(jnp.float32), cache
 
 
 @dataclasses.dataclass
@@ -128,35 +130,37 @@ def greedy_generate(
     ``tokenizer`` (a ``tokenizers.Tokenizer`` or anything with ``decode``) only decodes
     the result; pass None to get ids alone. Stops at ``eos_token_ids``.
     """
-    put = _beside_params(model)
+    put = beside_params(model)
     prompt = np.asarray(prompt_ids, np.int32)[None]
     length = prompt.shape[1]
     size = length + max_new_tokens
     cache = put(init_cache(model, 1, size))
     slots = np.arange(size)
-    step = nnx.cached_partial(_greedy_step, model)
+    step = nnx.cached_partial(next_logits, model)
     mask = (slots[None, :] <= np.arange(length)[:, None])[None]
-    token, cache = step(*put((prompt, np.arange(length, dtype=np.int32)[None])), cache, put(mask))
+    logits, cache = step(*put((prompt, np.arange(length, dtype=np.int32)[None])), cache, put(mask))
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     stop = set(eos_token_ids)
     out: list[int] = []
     for i in range(max_new_tokens):
-        tok = int(_on_host(token)[0])
+        tok = int(on_host(token)[0])
         out.append(tok)
         if tok in stop or i == max_new_tokens - 1:
             break
         pos = length + i
         mask = (slots <= pos)[None, None, :]
         tokens, positions, mask = put(
-            (_on_host(token)[:, None], np.full((1, 1), pos, np.int32), mask)
+            (on_host(token)[:, None], np.full((1, 1), pos, np.int32), mask)
         )
-        token, cache = step(tokens, positions, cache, mask)
+        logits, cache = step(tokens, positions, cache, mask)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     text = None
     if tokenizer is not None:
         text = tokenizer.decode([t for t in out if t not in stop])
     return Generation(out, text)
 
 
-def _beside_params(model: nnx.Module):
+def beside_params(model: nnx.Module):
     """Puts host values (a pytree) where the model's params are. One process: as they are.
     Params spanning several processes (a multi-host mesh): replicated over the params'
     mesh, each process giving its own copy (every process decodes the same prompt), so
@@ -174,7 +178,7 @@ def _beside_params(model: nnx.Module):
     return lambda tree: jax.tree.map(global_array, tree)
 
 
-def _on_host(value: jax.Array) -> np.ndarray:
+def on_host(value: jax.Array) -> np.ndarray:
     """A (possibly multi-host) array's whole value on this host."""
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.asarray(value)
