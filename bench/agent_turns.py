@@ -2,19 +2,21 @@
 sampling every turn from an empty cache, in one run on the same model and contexts.
 
 A batch of 4 episodes of 3 turns, each turn `--turn` tokens (no EOS, so every path does
-the same decoding) followed by a tool message of `--message` tokens, from the calculator
-example's prompts (its instructions, SmolLM2-135M-Instruct when converted under
-.cache/models, else a tiny random Llama). Timed, after a warm-up batch that compiles:
+the same decoding) followed by a tool message of `--message` tokens, as the calculator
+example samples them: one prompt (its instructions) and 4 episodes of it, a GRPO group
+(`--prompts 4`: four prompts, one episode each). SmolLM2-135M-Instruct when converted
+under .cache/models, else a tiny random Llama. Timed, after a warm-up batch that compiles:
 
 1. Tunix's sampler from an empty cache each turn, the contexts padded to the longest
    rounded up to 64 tokens (what posttrain's episodes did before the episode sampler);
 2. the episode sampler starting every turn over (its whole context prefilled);
-3. the episode sampler keeping each episode's cache (only the message prefilled).
+3. the episode sampler keeping each episode's cache (only the message prefilled; a
+   group's prompt prefilled once).
 
 Prints seconds a batch (the median of `--repeats`), each turn's, and the ratios 1 / 3 and
 2 / 3 (goal: > 1; the saving grows with the context a turn carries).
 
-    python bench/agent_turns.py [--turn 36] [--message 15] [--repeats 3]
+    python bench/agent_turns.py [--turn 36] [--message 15] [--prompts 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turn", type=int, default=36)
     parser.add_argument("--message", type=int, default=15)
+    parser.add_argument("--prompts", type=int, default=1, choices=(1, 2, 4))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -126,8 +129,9 @@ def main() -> None:
     rows = [json.loads(line) for line in (ROOT / job["spec"]["data"]["source"]).open()]
     prompts = [
         agent._prompt_ids(template.render(r["prompt"], add_generation_prompt=True))
-        for r in rows[:ROWS]
+        for r in rows[: args.prompts]
     ]
+    prompts = [p for p in prompts for _ in range(ROWS // args.prompts)]
     message = list(range(100, 100 + args.message))
     cache_size = g.max_prompt_length + g.max_completion_length + args.turn
     paths = {

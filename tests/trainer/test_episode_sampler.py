@@ -96,3 +96,18 @@ def test_sampled_turns_follow_their_key(loaded):
     assert sample(0) == sample(0)
     assert sample(0) != sample(1)
     assert all(len(row) == TURN for row in sample(0))
+
+
+def test_rows_of_one_prompt_are_prefilled_once(loaded):
+    """A GRPO group's first turn: numGenerations rows of one prompt share its prefill."""
+    model, _ = loaded("llama3")
+    p, q = PROMPTS[0], PROMPTS[1]
+    sampler = EpisodeSampler(model, 3, 64, TURN, eos=10**6, pad=0, temperature=None)
+    first = sampler.turn([p, p, q], jax.random.PRNGKey(0))
+    assert sampler.prefilled == 2 * BLOCK  # p once, q once
+    assert first[0] == first[1] == fresh(model, p, 10**6)
+    assert first[2] == fresh(model, q, 10**6)
+    contexts = [c + out + tool for c, out, tool in zip([p, p, q], first, TOOL, strict=True)]
+    second = sampler.turn(contexts, jax.random.PRNGKey(1))
+    assert sampler.prefilled == 5 * BLOCK  # the messages differ: every row its own
+    assert second == [fresh(model, c, 10**6) for c in contexts]

@@ -146,7 +146,9 @@ class EpisodeSampler:
     def _prefill(self, new: list[list[int]], end: int, width: int) -> jax.Array:
         """Prefill each row's new tokens, left-padded, in slots [end, end + width): each
         sees its own cached slots and its new tokens up to itself. The last position's
-        logits, for the first token of the turn."""
+        logits, for the first token of the turn. Rows with the same cache and new tokens
+        (a GRPO group's first turn: one prompt, numGenerations rows) are prefilled once,
+        and the others get a copy of that row's cache."""
         rows = len(new)
         tokens = np.full((rows, width), self.pad, np.int32)
         positions = np.zeros((rows, width), np.int32)
@@ -162,14 +164,31 @@ class EpisodeSampler:
             slot[None, None, :] <= query[None, :, None]
         )
         mask = self.valid[:, None, :] | block
-        logits, self.cache = self._prefill_step(
-            *self.put((tokens, positions)), self.cache, self.put(mask)
-        )
+        first: dict[tuple, int] = {}
+        same = [first.setdefault((tuple(self.cached[b]), tuple(new[b])), b) for b in range(rows)]
+        unique = sorted(first.values())
+        if len(unique) < rows:  # prefill the unique rows, then copy each to its likes
+            back = self.put(np.asarray([unique.index(b) for b in same], np.int32))
+            unique = np.asarray(unique)
+            cache = _take_rows(self.cache, self.put(unique))
+            tokens, positions, mask = tokens[unique], positions[unique], mask[unique]
+        else:
+            back, cache = None, self.cache
+        logits, cache = self._prefill_step(*self.put((tokens, positions)), cache, self.put(mask))
+        if back is not None:
+            logits, cache = _take_rows((logits, cache), back)
+        self.cache = cache
         for b, ids in enumerate(new):
             self.valid[b, start[b] : end + width] = True
             self.cached[b] += ids
-        self.prefilled += rows * width
+        self.prefilled += len(unique) * width
         return logits
+
+
+@jax.jit
+def _take_rows(tree: Any, index: jax.Array) -> Any:
+    """The rows `index` of every array in `tree` (the batch is each one's first axis)."""
+    return jax.tree.map(lambda x: x[index], tree)
 
 
 @jax.jit
