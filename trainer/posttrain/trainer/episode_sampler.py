@@ -105,7 +105,7 @@ class EpisodeSampler:
         logits = self._prefill(new, end, width)
         done = np.asarray([c is None for c in contexts])
         positions = np.asarray([len(c) for c in self.cached], np.int32)
-        out = self._decode(
+        tokens, lengths, fed, valid, self.cache = self._decode(
             logits,
             self.cache,
             *self.put((self.valid, positions, done, np.asarray(key))),
@@ -114,9 +114,8 @@ class EpisodeSampler:
             eos=self.eos,
             pad=self.pad,
         )
-        tokens, lengths, fed, self.valid, self.cache = out
         tokens, lengths, fed = on_host(tokens), on_host(lengths), on_host(fed)
-        self.valid = np.array(on_host(self.valid))
+        self.valid = np.array(on_host(valid))
         written = []
         for b in range(rows):
             row = tokens[b, : lengths[b]].tolist()
