@@ -671,7 +671,7 @@ def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
         doc = valid_job("ruled")
         doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
         cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
-        st, failed = wait_failed(cluster, namespace, "ruled", timeout=60)
+        st, failed = wait_failed(cluster, namespace, "ruled", timeout=120)
         assert failed["reason"] == "JobCreationFailed", failed
         assert (
             "ValidatingAdmissionPolicy" in failed["message"]
