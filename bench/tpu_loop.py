@@ -144,6 +144,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--json", type=Path, help="append the result as a JSON line here")
+    parser.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="skip step 3, the warm restart (its minute goes to the ratio)",
+    )
     args = parser.parse_args()
     if args.steps < 4 * args.log_every:
         parser.error("--steps must cover at least four logged windows")
@@ -158,19 +163,21 @@ def main() -> int:
     print(f"posttrain run: {args.steps} steps in {first['wall_s']:.0f} s; tokens/s by window "
           + ", ".join(f"{s}: {r:,.0f}" for s, r in sorted(first["rates"].items())), flush=True)  # fmt: skip
 
-    again = posttrain_run(job_file(args, root, root / "again", 1), root / "again")
-    to_step_1 = again["seconds_to_step"].get(1)
-    print(f"again, compilation cache warm: step 1 at {to_step_1:.1f} s from process start "
-          f"(the first run: step {args.log_every} at "
-          f"{first['seconds_to_step'].get(args.log_every, float('nan')):.1f} s)", flush=True)  # fmt: skip
+    to_step_1 = None
+    if not args.no_restart:
+        again = posttrain_run(job_file(args, root, root / "again", 1), root / "again")
+        to_step_1 = again["seconds_to_step"].get(1)
+        print(f"again, compilation cache warm: step 1 at {to_step_1:.1f} s from process start "
+              f"(the first run: step {args.log_every} at "
+              f"{first['seconds_to_step'].get(args.log_every, float('nan')):.1f} s)", flush=True)  # fmt: skip
 
-    print(f"process started at {time.strftime('%H:%M:%S', time.localtime(again['started']))}; "
-          "its log up to step 1:", flush=True)  # fmt: skip
-    for line in again["log"].read_text().splitlines():
-        if " INFO " in line or " WARNING " in line:
-            print("  " + line[:160], flush=True)
-        if "step 1" in line:
-            break
+        print(f"process started at {time.strftime('%H:%M:%S', time.localtime(again['started']))}; "
+              "its log up to step 1:", flush=True)  # fmt: skip
+        for line in again["log"].read_text().splitlines():
+            if " INFO " in line or " WARNING " in line:
+                print("  " + line[:160], flush=True)
+            if "step 1" in line:
+                break
     ref = back_to_back(args)
     result = {
         "case": args.case, "layers": args.layers or "all", "seq": args.seq, "batch": args.batch,

@@ -108,6 +108,41 @@ def test_tokens_per_second_counts_until_the_device_finishes_the_window():
     assert window.tokens == [] and time.monotonic() - window.start < 0.1
 
 
+def test_a_log_step_is_read_once_the_next_step_is_queued(model_dir, tmp_path, monkeypatch):
+    """Reading a log step's loss at once would leave the device idle until the host
+    dispatched the next step: it is read after that dispatch, except where the step
+    checkpoints (which waits for the device anyway) or is the last."""
+    from posttrain.trainer import loop, sft
+
+    dispatched, read_after = [], []
+    make_step = sft.make_train_step
+
+    def counting_step(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def counted(*a, **k):
+            dispatched.append(len(dispatched) + 1)
+            return step(*a, **k)
+
+        return counted
+
+    close = loop.Window.close
+
+    def recording_close(self, loss):
+        read_after.append(len(dispatched))
+        return close(self, loss)
+
+    monkeypatch.setattr(sft, "make_train_step", counting_step)
+    monkeypatch.setattr(loop.Window, "close", recording_close)
+    result = run_job(job_doc(model_dir, tmp_path / "out", steps=8, every=4))
+    # Log steps 2, 4, 6, 8; checkpoints at 4 and 8: steps 2 and 6 are read after the next.
+    assert read_after == [3, 4, 7, 8]
+    assert sorted(result.losses) == [2, 4, 6, 8]
+    tb = scalars(tmp_path / "out" / "tensorboard")
+    assert {s: tb["train/loss"][s] for s in result.losses} == pytest.approx(result.losses)
+    assert sorted(tb["train/tokens_per_second"]) == [2, 4, 6, 8]
+
+
 def test_goodput_of_an_uninterrupted_run(reference):
     out, result = reference
     summary = json.loads((out / "summary.json").read_text())["goodput"]
@@ -125,8 +160,10 @@ def test_goodput_of_an_uninterrupted_run(reference):
 
 def test_steps_lost_to_crashes_are_counted_once(model_dir, tmp_path, monkeypatch):
     """Attempts that crash a few steps after their newest checkpoint (a failure injected
-    after steps 7 and 10, checkpoints every 4 steps) and resume: the recorded steps past
-    the checkpoint are lost once each (5, 6, then 9), and the parts still add up to 1."""
+    where steps 7 and 10 are logged, checkpoints every 4 steps) and resume: the recorded
+    steps past the checkpoint are lost once each, and the parts still add up to 1. A log
+    step is read once the next step is dispatched, after its own goodput record: so
+    5, 6, 7, then 9, 10 are lost."""
     from posttrain.trainer import goodput, loop
 
     monkeypatch.setattr(goodput, "RECORD_INTERVAL_S", 0.0)  # record every log step
@@ -148,7 +185,7 @@ def test_steps_lost_to_crashes_are_counted_once(model_dir, tmp_path, monkeypatch
     result = run_job(doc)
     assert result.resumed_from == 8 and result.step == 12
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())["goodput"]
-    assert summary["attempts"] == 3 and summary["lostSteps"] == 3
+    assert summary["attempts"] == 3 and summary["lostSteps"] == 5
     seconds = summary["seconds"]
     assert seconds["lost"] > 0 and seconds["restart"] > 0
     assert sum(summary["fractions"].values()) == pytest.approx(1.0)

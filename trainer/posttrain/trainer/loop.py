@@ -360,10 +360,27 @@ def run_steps(
         evaluation.resume(spec.output.uri, result.step)
         best = best_checkpoint(spec)
     metrics: dict[str, float] = {}
-    # Steps are dispatched without waiting for the device: their outputs are read back on
-    # log steps only (tokens summed then), and the host runs at most IN_FLIGHT steps ahead.
+    # Steps are dispatched without waiting for the device, at most IN_FLIGHT ahead; a log
+    # step's outputs are read once the next step is queued behind it (`pending`), so the
+    # device computes while the host logs (read at once, the device idled until the next
+    # dispatch: 5% of a 250 ms step logged every 5 on the chip). Saves wait anyway.
     window = Window()
     in_flight: collections.deque = collections.deque()
+    pending: tuple[int, Any, dict[str, Any]] | None = None
+
+    def report(step_number: int, loss: Any, out: dict[str, Any]) -> None:
+        nonlocal metrics
+        loss_value, tokens_per_second = window.close(loss)
+        metrics = {
+            "loss": loss_value,
+            "learning_rate": float(schedule(step_number - 1)),
+            **{k: float(v) for k, v in out.items()},
+            "tokens_per_second": tokens_per_second,
+            **{f"data/{k}": v for k, v in loader.metrics().items()},
+        }
+        result.losses[step_number] = loss_value
+        progress.step(step_number, metrics, True)
+
     recorded = time.monotonic()
     clock.charge("startup")
     with jax.set_mesh(mesh):
@@ -384,21 +401,14 @@ def run_steps(
                 # The first step is compiled and dispatched: from here a signal checkpoints
                 # after the step (before, during the compile, it stops saving nothing).
                 stop.training()
-            window.tokens.append(out.pop("tokens", 0))
             in_flight.append(loss)
             if len(in_flight) > IN_FLIGHT:
                 jax.block_until_ready(in_flight.popleft())
+            if pending is not None:
+                report(*pending)
+                pending = None
+            window.tokens.append(out.pop("tokens", 0))
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
-            if log_now:
-                loss_value, tokens_per_second = window.close(loss)
-                metrics = {
-                    "loss": loss_value,
-                    "learning_rate": float(schedule(result.step - 1)),
-                    **{k: float(v) for k, v in out.items()},
-                    "tokens_per_second": tokens_per_second,
-                    **{f"data/{k}": v for k, v in loader.metrics().items()},
-                }
-                result.losses[result.step] = metrics["loss"]
             eval_now = evaluation is not None and evaluation.due(result.step, total)
             save_now = (
                 result.step % spec.checkpoint.every_steps == 0 or result.step == total or stop
@@ -406,7 +416,12 @@ def run_steps(
             if eval_now or save_now:  # the step's own time is the step's, not theirs
                 jax.block_until_ready(loss)
             clock.step(result.step)
-            progress.step(result.step, metrics, log_now)
+            if log_now and not (eval_now or save_now):
+                pending = (result.step, loss, out)
+            elif log_now:
+                report(result.step, loss, out)
+            else:
+                progress.step(result.step, metrics, False)
             if log_now and time.monotonic() - recorded >= goodput.RECORD_INTERVAL_S:
                 clock.charge("other")
                 _write_goodput(spec, ledger, is_main)
@@ -435,6 +450,8 @@ def run_steps(
                 _write_goodput(spec, ledger, is_main)
                 recorded = time.monotonic()
                 clock.charge("checkpoint")
+    if pending is not None:  # a stop between a log step and the next
+        report(*pending)
     checkpoints.close()
     clock.charge("checkpoint")
     result.stopped_early = result.step < total
