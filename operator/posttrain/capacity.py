@@ -45,13 +45,19 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 
 On a TPU the terms are the TPU compiler's instead (compiler_of, tpu_parts): what the step
 holds as it is (masters or frozen base, optimizer moments, adapters, the accumulator,
-reference or teacher, rollout cache, vision tower, and the MLP activations a LoRA step on
-8 or more chips keeps: mlp_kept_bytes) plus TPU_CONSTANTS, each scaling one
-physical quantity, fitted on bench/tpu_memory_table.json (the trainer's steps at published
-shapes compiled by libtpu for each job's topology; bench/tpu_calibration.py). Dense
-attention has no [heads, L, L] term there: the table's two dense steps (GRPO's learner)
-show none the fit can carry. Admission refuses a TPU job above TPU_REFUSE_ABOVE x HBM
-(tests/unit/test_capacity_tpu_table.py holds both to the table).
+reference or teacher, rollout cache, vision tower, the whole model gathered once for every
+micro-batch with accumulation over fsdp devices), the temporaries of the one phase of the
+step where they peak (tpu_phases: the loss, with the gathered embedding, the logits and
+their float32 copy and what the forward saved; or the backward of a LoRA step on 8 or more
+chips that are not v5e, which holds every layer's activations at once; or a frozen vision
+tower's forward), counted from the compiler's buffer assignment, a fixed compiler overhead
+(TPU_OVERHEAD_GIB), and TPU_CONSTANTS, two constants each scaling one physical quantity
+(the float32 gradient live at the peak, the all-reduce over slices), fitted on
+bench/tpu_memory_table.json (the trainer's steps at published shapes compiled by libtpu
+for each job's topology; bench/tpu_calibration.py). Dense attention has no [heads, L, L]
+term there: the table's two dense steps (GRPO's learner) show none. Admission refuses a
+TPU job above TPU_REFUSE_ABOVE x HBM (tests/unit/test_capacity_tpu_table.py holds both to
+the table).
 
 Elsewhere (a GPU job, which XLA:GPU cannot compile without a GPU, and a CPU job's host
 estimate) the per-token, per-attention-element and per-logit byte counts are XLA's own figures for
@@ -120,53 +126,75 @@ TERMS = (
     "rollout cache",
     "vision tower",
 )
-# A rematerialised LoRA step on MLP_KEPT_FSDP or more chips of a slice: the TPU compiler
-# keeps what the layers' MLPs' backward reads for every layer at once instead of
-# recomputing it a layer at a time (presumably as the frozen base has no weight gradient
-# whose reduce-scatter paces the backward there): the gate and up projections' outputs, the
-# gate's activation and their product (the down projection's input, which its adapter's
-# gradient reads), MLP_KEPT_ARRAYS arrays of [tokens, intermediate] in the compute dtype
-# a layer. Seen in the compiler's buffer assignment (Llama 3.2 1B LoRA r64 at 8k on v6e-8,
-# one row a chip: four bf16 [8192, 8192] arrays a layer live at the peak); the same rows a
-# chip on v6e-4 (4 chips) keep none (bench/tpu_memory_table.json: l1b-sft-lora-8k-r64-v6e4).
-# Gemma 3 keeps fewer (about one a layer: g1b-sft-lora-2k-v5e8; none:
-# g4b-vision-lora-1k-v6e8), which this count over-counts; why is not known.
-# A count of arrays, not a fitted constant. Not with gradientAccumulation above 1 (the
-# micro-batch scan is scheduled apart: g1b-sft-lora-acc4-4k-v5e8 on 8 chips keeps none)
-# nor remat none (every layer's activations are kept anyway: layer_bytes).
-MLP_KEPT_ARRAYS = 4
-MLP_KEPT_FSDP = 8
+TPU_TERMS = (*TERMS, "compiler overhead")  # a TPU job's: tpu_parts
 # TPU accelerators: the estimate is calibrated against the TPU compiler (libtpu, compile-only
 # for the job's topology: bench/tpu_calibration.py, its figures in bench/tpu_memory_table.json),
 # not XLA:CPU, whose scheduler keeps 2-5x more. Held state (float32 masters or the frozen
-# base, optimizer moments, adapters, reference or teacher, GRPO's rollout cache, a vision
-# tower, LoRA's MLP arrays above) is counted as it is; what the compiler's schedule keeps
-# beside it is seven fitted constants, each scaling one physical quantity per device
-# (fitted on the table's cases outside bench/tpu_calibration.HELD_OUT, before the MLP
-# arrays were counted; `python bench/tpu_calibration.py --fit`):
+# base, optimizer moments, adapters, the accumulator, reference or teacher, GRPO's rollout
+# cache, a vision tower) is counted as it is. The compiler's temporaries peak in one phase of
+# the step, not in all at once (its buffer assignment and live ranges,
+# XLA_FLAGS=--xla_dump_to: bench/tpu_calibration.py), so the estimate counts the largest of
+# them (tpu_phases):
+# - the loss: the embedding gathered whole over fsdp devices for the logits' matmul, the
+#   logits in the compute dtype and their float32 copy shifted a token for the next-token
+#   loss (TPU_LOGIT_EXTRA_BYTES a logit beyond the compute dtype's; a distillation
+#   teacher's logits too), and what the forward saved: each rematerialised layer's input (two
+#   with block, and the projections' outputs with dots), every layer's activations with
+#   remat none (layer_activation_bytes);
+# - the backward of a LoRA step on a slice of DEFERRED_FSDP or more chips (not v5e): the
+#   adapters' gradients of every layer are all-reduced together after the last layer, and
+#   the compiler schedules each adapter-gradient matmul just before that all-reduce, so the
+#   operands they read stay live for every layer at once (layer_activation_bytes a layer;
+#   the loss's logits are freed by then; a full fine-tune's weight gradients are reduce-
+#   scattered layer by layer instead);
+# - a frozen vision tower's forward, one encoder layer of the images at a time.
+# Beside the peak phase, TPU_OVERHEAD_GIB: what the compiler's figure holds beyond the
+# buffers live at its peak (heap fragmentation, buffers under 1 MiB, its reserve).
+TPU_LOGIT_EXTRA_BYTES = 4
+TPU_OVERHEAD_GIB = 0.84
+DEFERRED_FSDP = 8
+DEFERRED_NOT_ON = ("v5e",)
+PEAKS = {
+    "loss": "the loss (the logits beside what the forward saved)",
+    "backward": "the backward (every layer's activations: LoRA's adapter gradients are "
+    "computed after the last layer)",
+    "vision tower": "the vision tower's forward",
+}
+# A decoder layer's activations per token as the TPU compiler keeps them, in units of the
+# compute dtype: (hidden, intermediate, query heads x head dim, kv heads x head dim).
+LAYER_ACTIVATIONS = (4, 4, 2, 2)
+# The counts above were read from the compiler's dumps of bench/tpu_calibration.py cases
+# (GiB live at the peak; docs/user-guide.md, "The TPU calibration"):
+# - l1b-sft-lora-8k-r64-v6e8 (Llama 3.2 1B, 16 layers, 8192 tokens a chip): the backward
+#   holds 13.5 GiB (4 [t, intermediate], 4 [t, hidden] and the q/k/v arrays a layer; the
+#   arrays of head dim 64 padded to 128 lanes, which the count leaves out: 11.25 GiB),
+#   its loss 9.0 GiB (5.9 GiB of logits, the gathered embedding 0.5);
+# - g1b-sft-lora-2k-v6e8 (Gemma 3 1B, 26 layers, 2048 tokens): backward 3.5 GiB (4
+#   [t, intermediate], 4 [t, hidden], 2 [t, q], 2 [t, kv] a layer), loss 3.7 GiB (the
+#   gathered [262144, 1152] embedding 0.56, logits 1 + 2 GiB, the layers' inputs 0.12);
+# - g4b-vision-lora-1k-v6e8: backward 3.2 GiB, loss 2.9 GiB (the gathered embedding 1.25),
+#   the tower's forward 1.0 GiB (its [16, 4096, 4096] float32 attention);
+# - on v5e-8 the same LoRA steps compute each layer's adapter gradients in its own
+#   backward (g1b-sft-lora-2k-v5e8, l1b-sft-lora-2k-v5e8: at most 0.8 GiB after the loss);
+#   so does l1b-sft-lora-1k-r64-v6e8 at 1024 tokens a chip (0.2 GiB), which the count
+#   over-counts (its loss 1.3 GiB, the count's backward 1.4);
+# - l1b-sft-full-8k-v6e8, a full fine-tune on v6e-8 at 8192 tokens a chip: its backward
+#   holds about half of every layer's activations (6.9 GiB) and the logits' gradient with
+#   a padded copy (3.9 GiB, for the tied embedding's gradient after the last layer), not
+#   counted (the estimate is 0.72 of the compiler's; the other full fine-tunes on v6e-8
+#   are within the band: q17-sft-full-layer-4k-v6e8 0.97);
+# - the compiler's temporaries beyond the buffers of 1 MiB or more live at the peak: 0.49
+#   to 1.51 GiB over the seven dumps, 0.84 on average (TPU_OVERHEAD_GIB).
+# What the schedule keeps beside that is TPU_CONSTANTS, each scaling one physical quantity
+# per device, fitted on the table's cases outside bench/tpu_calibration.HELD_OUT
+# (`python bench/tpu_calibration.py --fit`):
 TPU_CONSTANTS = {
     # share of the float32 gradient (and a full fine-tune's compute-dtype cast of the
     # masters) live at the peak: the compiler frees each layer's as it is applied
-    "gradient_share": 0.645,
-    # share of the whole model in the compute dtype gathered at once over fsdp devices (the
-    # compiler prefetches several layers' all-gathers ahead of their matmuls)
-    "gathered_share": 0.098,
-    # bytes per logit (micro-batch rows x tokens x vocabulary, a distillation teacher's
-    # too): the compute-dtype logits, their float32 cast, the loss's softmax and gradient
-    "logit_bytes": 7.528,
-    # bytes per decoder layer, token and hidden unit kept by a rematerialised step (layer,
-    # block or dots): each layer's input and what the compiler keeps beside it
-    "remat_bytes": 3.236,
-    # bytes per decoder layer, token and hidden unit without rematerialisation (remat none):
-    # every layer's activations with a flash kernel's attention
-    "layer_bytes": 50.758,
+    "gradient_share": 0.777,
     # bytes per trained parameter (of a device's fsdp share) over several slices (dp > 1):
     # the float32 gradient's all-reduce over slices and its buffers
-    "slice_bytes": 28.398,
-    # share of the whole model in the compute dtype gathered once for every micro-batch
-    # (gradientAccumulation above 1 over fsdp devices: the compiler hoists the weights'
-    # all-gathers out of the micro-batch scan)
-    "hoisted_share": 1.105,
+    "slice_bytes": 29.367,
 }
 
 
@@ -255,6 +283,7 @@ class MemoryEstimate:
     accelerator: str = ""
     remat: str = "none"  # spec.training.remat as the trainer applies it
     compiler: str = "xla-cpu"  # whose figures the terms are calibrated to: "tpu" or "xla-cpu"
+    peak: str = ""  # a TPU step's phase whose temporaries are counted (tpu_phases)
 
     @property
     def total_gib(self) -> float:
@@ -309,15 +338,16 @@ class MemoryEstimate:
             f"remat {self.remat}",
             "per device:",
         ]
-        lines += [f"  {name:<18}{self.terms.get(name, 0.0):8.2f} GiB" for name in TERMS]
+        names = TPU_TERMS if self.compiler == "tpu" else TERMS
+        lines += [f"  {name:<18}{self.terms.get(name, 0.0):8.2f} GiB" for name in names]
         lines.append(
             f"  {'total':<18}{self.total_gib:8.2f} GiB of {self.available_gib:g} GiB "
             f"({self.total_gib / self.available_gib:.0%})"
         )
         if self.compiler == "tpu":
             lines.append(
-                "terms calibrated to the TPU compiler; posttrain estimate --compile gives its "
-                "own figure"
+                f"terms calibrated to the TPU compiler, at the step's peak: {PEAKS[self.peak]}; "
+                "posttrain estimate --compile gives its own figure"
             )
         return "\n".join(lines)
 
@@ -364,27 +394,95 @@ def _rows_and_lengths(spec: PostTrainJobSpec, lay: Layout) -> tuple[int, int, in
     return rows, length, scored
 
 
-def mlp_kept_bytes(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, tokens: int) -> float:
-    """Bytes per device of the MLP activations a rematerialised LoRA step keeps on a TPU
-    slice of MLP_KEPT_FSDP chips or more: every decoder layer's MLP_KEPT_ARRAYS
-    [tokens, intermediate] arrays in the compute dtype; 0 otherwise."""
-    if (
-        spec.lora is None
-        or lay.per_slice < MLP_KEPT_FSDP
-        or remat_of(spec) == "none"
-        or spec.training.gradient_accumulation > 1
-    ):
-        return 0.0
+def layer_activation_bytes(shape: ModelShape, w: int) -> float:
+    """Bytes per token of one decoder layer's activations as the TPU compiler keeps them:
+    LAYER_ACTIVATIONS arrays of the hidden size, the intermediate size and the query and
+    key/value heads' widths in the compute dtype (w bytes), what the layer's backward reads:
+    its projections' inputs and the gradients of their outputs."""
+    d, f, q, kv = LAYER_ACTIVATIONS
+    widths = (
+        shape.hidden,
+        shape.intermediate,
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    )
+    return w * sum(n * width for n, width in zip((d, f, q, kv), widths, strict=True))
+
+
+def backward_is_deferred(spec: PostTrainJobSpec, lay: Layout, generation: str = "") -> bool:
+    """Whether the TPU compiler holds every layer's activations in a LoRA step's backward
+    (tpu_phases): rematerialised, one micro-batch a step, DEFERRED_FSDP or more chips of a
+    slice, not a generation of DEFERRED_NOT_ON ("" when not known: counted)."""
+    return (
+        spec.lora is not None
+        and lay.per_slice >= DEFERRED_FSDP
+        and generation not in DEFERRED_NOT_ON
+        and remat_of(spec) != "none"
+        and spec.training.gradient_accumulation == 1
+    )
+
+
+def tpu_phases(
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, generation: str = ""
+) -> dict[str, dict[str, float]]:
+    """A TPU step's temporaries in each phase where they can peak (bytes per device, by
+    term): "loss" always, "backward" where backward_is_deferred, "vision tower" with a
+    frozen tower (a trained one keeps every encoder layer's activations through the step,
+    counted in every phase). The estimate counts the largest (tpu_peak)."""
+    t = spec.training
     w = _DTYPE_BYTES[spec.model.dtype]
-    return MLP_KEPT_ARRAYS * shape.layers * tokens * shape.intermediate * w
+    d, f = shape.hidden, shape.intermediate
+    rows, length, _ = _rows_and_lengths(spec, lay)
+    tokens = rows * length
+    logit_units = tokens * shape.vocab
+    if spec.technique == "distill":
+        teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
+        logit_units += tokens * (teacher or shape).vocab
+    remat = remat_of(spec)
+    if remat == "none":  # every layer's activations, as the backward reads them
+        saved = layer_activation_bytes(shape, w)
+    else:  # each layer's input (block: its attention's and its MLP's)
+        saved = w * d * (2 if remat == "block" else 1)
+        if remat == "dots":  # and every projection's output (the trainer's models/remat.py)
+            q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+            saved += w * (q + 2 * kv + 2 * d + 2 * f)
+    phases = {
+        "loss": {
+            # the embedding gathered whole for the logits' matmul
+            "weights": shape.vocab * d * w if lay.per_slice > 1 else 0.0,
+            "activations": shape.layers * tokens * saved,
+            "logits": logit_units * (w + TPU_LOGIT_EXTRA_BYTES),
+        }
+    }
+    if backward_is_deferred(spec, lay, generation):
+        phases["backward"] = {
+            "activations": shape.layers * tokens * layer_activation_bytes(shape, w)
+        }
+    vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
+    if vision is not None:
+        p, vw = vision.patches, vision.width
+        tower = rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
+        if t.train_vision_tower:
+            for phase in phases.values():
+                phase["activations"] += tower * vision.depth
+        else:
+            phases["vision tower"] = {"activations": tower}
+    return phases
+
+
+def tpu_peak(phases: dict[str, dict[str, float]]) -> str:
+    """The phase of tpu_phases whose temporaries are the largest."""
+    return max(phases, key=lambda name: sum(phases[name].values()))
 
 
 def tpu_parts(
-    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, generation: str = ""
 ) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
-    """A TPU job's memory per device in two parts (bytes): what it holds as it is, by term,
-    and for each of TPU_CONSTANTS the term it adds to and the quantity it scales
-    (bench/tpu_calibration.py fits the constants on these)."""
+    """A TPU job's memory per device in two parts (bytes): what it holds as it is, by term
+    (held state, the peak phase's temporaries of tpu_phases, TPU_OVERHEAD_GIB), and for each
+    of TPU_CONSTANTS the term it adds to and the quantity it scales
+    (bench/tpu_calibration.py fits the constants on these). generation: the TPU's (v5e,
+    v6e, ...; "" when not known)."""
     t = spec.training
     w = _DTYPE_BYTES[spec.model.dtype]
     params, fsdp = shape.params, lay.per_slice
@@ -395,14 +493,12 @@ def tpu_parts(
         opt_bytes = 8 * trained / shape.hidden
     else:
         opt_bytes = _OPTIMIZER_BYTES[t.optimizer] * trained
-    rows, length, _ = _rows_and_lengths(spec, lay)
-    tokens = rows * length
-    frozen, cache, tower, tower_act, logit_units = 0.0, 0.0, 0.0, 0.0, tokens * shape.vocab
+    _, length, _ = _rows_and_lengths(spec, lay)
+    frozen, cache, tower = 0.0, 0.0, 0.0
     if spec.technique == "distill":
         teacher = model_shapes.shape(spec.distill.teacher.source, spec.distill.teacher.layers)
         teacher = teacher or shape
         frozen = teacher.params * _DTYPE_BYTES[spec.distill.teacher.dtype] / fsdp
-        logit_units += tokens * teacher.vocab
     elif full and (
         (spec.technique == "dpo" and spec.dpo.algorithm == "dpo")
         or (spec.technique == "grpo" and spec.grpo.beta > 0)
@@ -415,42 +511,36 @@ def tpu_parts(
     vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
     if vision is not None:
         tower = vision.params * (w if spec.lora else 4 + (w if w < 4 else 0)) / fsdp
-        p, vw = vision.patches, vision.width
-        tower_act = rows * (vision.heads * p * p * 4 + p * (6 * vw + vision.mlp) * 4)
         if t.train_vision_tower:
             tower += vision.params * 12 / fsdp
-            tower_act *= vision.depth
     grads = trained * 4 / fsdp
-    fixed = {
-        "weights": held / fsdp,
+    # gradientAccumulation above 1 over fsdp devices: the compiler hoists the weights'
+    # all-gathers out of the micro-batch scan, the whole model in the compute dtype
+    hoisted = params * w if t.gradient_accumulation > 1 and fsdp > 1 else 0.0
+    fixed = dict.fromkeys(TPU_TERMS, 0.0) | {
+        "weights": held / fsdp + hoisted,
         "optimizer": opt_bytes / fsdp,
         # the accumulator: a second float32 gradient, the micro-batch scan's carry
         "gradients": grads if t.gradient_accumulation > 1 else 0.0,
-        "activations": tower_act + mlp_kept_bytes(spec, shape, lay, tokens),
         "reference/teacher": frozen,
         "rollout cache": cache,
         "vision tower": tower,
+        "compiler overhead": TPU_OVERHEAD_GIB * GIB,
     }
-    per_layer = shape.layers * tokens * shape.hidden
-    remat = remat_of(spec)
+    phases = tpu_phases(spec, shape, lay, generation)
+    for term, value in phases[tpu_peak(phases)].items():
+        fixed[term] += value
     scaled = {
         "gradient_share": ("gradients", grads + (params * w / fsdp if full else 0.0)),
-        "gathered_share": ("weights", params * w if fsdp > 1 else 0.0),
-        "logit_bytes": ("logits", logit_units),
-        "remat_bytes": ("activations", per_layer if remat != "none" else 0.0),
-        "layer_bytes": ("activations", per_layer if remat == "none" else 0.0),
         "slice_bytes": ("gradients", trained / fsdp if lay.slices > 1 else 0.0),
-        "hoisted_share": (
-            "weights",
-            params * w if t.gradient_accumulation > 1 and fsdp > 1 else 0.0,
-        ),
     }
     return fixed, scaled
 
 
-def _tpu_terms(spec: PostTrainJobSpec, shape: ModelShape, lay: Layout) -> dict[str, float]:
-    fixed, scaled = tpu_parts(spec, shape, lay)
-    terms = dict.fromkeys(TERMS, 0.0) | fixed
+def _tpu_terms(
+    spec: PostTrainJobSpec, shape: ModelShape, lay: Layout, generation: str
+) -> dict[str, float]:
+    terms, scaled = tpu_parts(spec, shape, lay, generation)
     for name, (term, units) in scaled.items():
         terms[term] += TPU_CONSTANTS[name] * units
     return terms
@@ -472,17 +562,19 @@ def estimate(
     compiler = compiler or compiler_of(placement)
     if compiler == "tpu":
         rows, length, _ = _rows_and_lengths(spec, lay)
+        generation = placement.accelerator.split("-")[0] if placement.is_tpu else ""
         return MemoryEstimate(
             spec.model.source,
             shape,
             lay,
             rows,
             length,
-            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay).items()},
+            {k: v / GIB for k, v in _tpu_terms(spec, shape, lay, generation).items()},
             float(placement.memory_gib_per_device),
             placement.accelerator.split("-")[0] if placement.is_tpu else placement.accelerator,
             remat_of(spec),
             compiler,
+            tpu_peak(tpu_phases(spec, shape, lay, generation)),
         )
     t = spec.training
     w = _DTYPE_BYTES[spec.model.dtype]

@@ -19,8 +19,10 @@ ROWS = {r.name: r for r in rows(TABLE)}
 # held by the admission tests below, not by the ratio).
 COMPILED = [name for name, r in ROWS.items() if not r.over_hbm]
 # Where the estimate is outside 0.8-1.25 of the compiler today (its figures are in
-# docs/user-guide.md, "The TPU calibration").
-OUTSIDE = {"g4b-vision-lora-1k-v6e8", "g1b-sft-lora-2k-v5e8", "l1b-sft-full-8k-v6e8"}
+# docs/user-guide.md, "The TPU calibration"): a full fine-tune on 8 v6e chips at 8k tokens a
+# chip, whose backward holds about half of every layer's activations and the logits'
+# gradient, which the estimate does not count.
+OUTSIDE = {"l1b-sft-full-8k-v6e8"}
 
 
 def test_the_table_covers_the_published_shapes_techniques_and_topologies():
@@ -52,11 +54,9 @@ def test_the_estimate_is_within_the_band_of_the_tpu_compiler(name):
 def test_within_the_band_on_nine_in_ten_of_the_table():
     """The goal: the estimate within 0.8-1.25 of the TPU compiler on at least 90% of the
     compiled cases, and on at least 90% of the held-out ones (not used to fit
-    capacity.TPU_CONSTANTS: bench/tpu_calibration.HELD_OUT). Today 26 of 29 (89.7%) and 13
-    of 15 held out: missed by the cases in OUTSIDE (two Gemma 3 LoRA steps on 8 chips, which
-    keep fewer MLP arrays than the count, and a full fine-tune on 8 chips, which keeps some
-    it does not count). Never fewer than today's 26 (or 22 of the 25 compiled before LoRA's
-    MLP arrays were counted)."""
+    capacity.TPU_CONSTANTS: bench/tpu_calibration.HELD_OUT). Today 30 of 31 (96.8%), 14 of
+    14 fitted and 16 of 17 held out: missed by the case in OUTSIDE. Never fewer than
+    today's 30."""
     sys.path.insert(0, str(TABLE_PATH.parents[1] / "bench"))
     from tpu_calibration import HELD_OUT
 
@@ -65,9 +65,8 @@ def test_within_the_band_on_nine_in_ten_of_the_table():
     held_inside = [n for n in held if n in inside]
     assert len(COMPILED) >= 20 and len(held) >= 10
     assert len(inside) >= len(COMPILED) - len(OUTSIDE), (len(inside), len(COMPILED))
-    if len(inside) < 0.9 * len(COMPILED) or len(held_inside) < 0.9 * len(held):
-        pytest.xfail(f"{len(inside)} of {len(COMPILED)} within 0.8-1.25 ({len(held_inside)} of "
-                     f"{len(held)} held out), goal 90%")  # fmt: skip
+    assert len(inside) >= 0.9 * len(COMPILED), (len(inside), len(COMPILED))
+    assert len(held_inside) >= 0.9 * len(held), (len(held_inside), len(held))
 
 
 @pytest.mark.parametrize("name", ROWS)
@@ -93,32 +92,44 @@ def test_every_case_is_estimated_with_the_tpu_calibration():
     assert {r.spec.resources.accelerator.split("-")[0] for r in ROWS.values()} <= {"v5e", "v6e",
                                                                                  "v5p"}  # fmt: skip
     for r in ROWS.values():
-        assert set(r.terms) == set(capacity.TERMS)
-        assert r.terms["optimizer"] > 0 and r.terms["logits"] > 0
+        assert set(r.terms) == set(capacity.TPU_TERMS)
+        assert r.terms["optimizer"] > 0
+        assert r.terms["compiler overhead"] == pytest.approx(capacity.TPU_OVERHEAD_GIB)
+        # the loss's logits are freed before a deferred backward's peak
+        assert (r.terms["logits"] > 0) == (r.peak == "loss"), (r.name, r.peak)
 
 
-def test_lora_keeps_its_mlp_arrays_on_eight_chips_only():
-    """A rematerialised LoRA step on 8 or more chips of a slice keeps 4 [tokens,
-    intermediate] arrays a layer of its MLPs (the TPU compiler's buffers for
-    l1b-sft-lora-8k-r64-v6e8); on 4 chips, as a full fine-tune, with accumulation or
-    without remat, none are counted."""
+def test_a_lora_backward_holds_every_layer_on_eight_chips_but_not_on_v5e():
+    """A rematerialised LoRA step on 8 or more chips of a slice (not v5e) holds every
+    layer's activations in its backward (4 [tokens, hidden], 4 [tokens, intermediate], 2
+    [tokens, q heads x head dim], 2 [tokens, kv heads x head dim] a layer, the compiler's
+    buffers for l1b-sft-lora-8k-r64-v6e8 and g1b-sft-lora-2k-v6e8); on 4 chips, on v5e, as
+    a full fine-tune, with accumulation or without remat, the step has no such phase. The
+    estimate counts the larger of that and the loss, not both."""
     from posttrain import catalog
 
     spec = ROWS["l1b-sft-lora-8k-r64-v6e8"].spec
     shape = capacity.shape_of(spec)
 
-    def kept(spec, accelerator="v6e-8"):
+    def phases(spec, accelerator="v6e-8"):
         lay = capacity.layout(spec, catalog.resolve(accelerator))
-        rows, length, _ = capacity._rows_and_lengths(spec, lay)
-        return capacity.mlp_kept_bytes(spec, shape, lay, rows * length)
+        return capacity.tpu_phases(spec, shape, lay, accelerator.split("-")[0])
 
     def changed(**training):
         return spec.model_copy(update={"training": spec.training.model_copy(update=training)})
 
-    assert kept(spec) == 4 * shape.layers * 8192 * shape.intermediate * 2
-    assert kept(spec) / capacity.GIB == pytest.approx(8.0)
-    assert kept(spec, "v6e-4") == 0.0
-    assert kept(spec.model_copy(update={"lora": None})) == 0.0
-    assert kept(changed(gradient_accumulation=4, batch_size=32)) == 0.0
-    assert kept(changed(remat="none")) == 0.0
-    assert ROWS["l1b-sft-lora-8k-r64-v6e8"].terms["activations"] > 8.0
+    per_token = capacity.layer_activation_bytes(shape, 2)
+    assert per_token == 2 * (4 * 2048 + 4 * 8192 + 2 * 32 * 64 + 2 * 8 * 64)
+    found = phases(spec)
+    assert found["backward"] == {"activations": shape.layers * 8192 * per_token}
+    assert capacity.tpu_peak(found) == "backward"
+    assert found["backward"]["activations"] / capacity.GIB == pytest.approx(11.25)
+    assert "backward" not in phases(spec, "v6e-4")
+    assert "backward" not in phases(spec, "v5e-8")
+    assert "backward" not in phases(spec.model_copy(update={"lora": None}))
+    assert "backward" not in phases(changed(gradient_accumulation=4, batch_size=32))
+    assert "backward" not in phases(changed(remat="none"))
+    r = ROWS["l1b-sft-lora-8k-r64-v6e8"]
+    assert r.peak == "backward" and r.terms["logits"] == 0
+    assert r.terms["activations"] == pytest.approx(11.25)
+    assert ROWS["g1b-sft-lora-2k-v5e8"].peak == "loss"

@@ -26,6 +26,7 @@ class Row:
     hbm: float
     verdict: str  # posttrain.capacity.admission: admit, warn or refuse
     message: str | None
+    peak: str = ""  # the phase of the step whose temporaries the estimate counts
 
     @property
     def ratio(self) -> float:
@@ -59,7 +60,8 @@ def rows(table: dict | None = None) -> list[Row]:
             m = case["memory"]
             peak = m["argument"] + m["temp"] + m["output"] - m["alias"]
             out.append(Row(name, spec, peak / capacity.GIB, case["over_hbm"], est.total_gib,
-                           dict(est.terms), est.available_gib, verdict, message))  # fmt: skip
+                           dict(est.terms), est.available_gib, verdict, message,
+                           est.peak))  # fmt: skip
     return out
 
 
