@@ -24,19 +24,35 @@ the wall time the learner is idle, and the ratio (goal on accelerators >= 1.3).
 ``--devices N`` runs on N CPU devices (XLA_FLAGS, set before jax starts):
 
     python bench/grpo.py --placement --devices 8 [--staleness 1] [--sampler-fraction 0.5]
+
+``--learner`` times the learner's update alone at the calculator example's shape
+(examples/agent-calculator-smollm2-cpu.yaml: SmolLM2-135M-Instruct converted under
+.cache/models, LoRA r8 restored from the warm start, 4 rows of 104 prompt and 152
+completion tokens, remat layer), on the same model and batch in one run: the update as it
+was, projecting every position onto the 49152-token vocabulary, against the update
+projecting only the completion's positions (``models.last_positions``), with the
+trainer's CPU scheduler (``cpu_flags``). It prints each one's compiled peak
+(``memory_analysis()``: arguments + temporaries + outputs - aliased) and seconds a step
+(the median of ``--steps`` steps after a compiling one, the two updates taking turns),
+and the ratios before / after:
+
+    python bench/grpo.py --learner [--steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 if "--devices" in sys.argv:  # before jax starts
     _n = sys.argv[sys.argv.index("--devices") + 1]
@@ -46,16 +62,27 @@ if "--devices" in sys.argv:  # before jax starts
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "trainer")]
+if "--learner" in sys.argv:  # the trainer's CPU scheduler, before jax starts (cpu_flags)
+    from posttrain.trainer import cpu_flags
+
+    cpu_flags.apply()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+from flax import nnx  # noqa: E402
 from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.checks import validate  # noqa: E402
-from posttrain.trainer import data, grpo, models, rl_placement  # noqa: E402
+from posttrain.trainer import data, grpo, models, optim, rl_losses, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.policy import load_policy, shard_like_params  # noqa: E402
+from posttrain.trainer.step_memory import memory_of, peak_bytes  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "agent-calculator-smollm2-cpu.yaml"
+SMOLLM2 = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 
 
 def make_job(model_dir: Path, prompts: Path, args: argparse.Namespace):
@@ -218,9 +245,98 @@ def placement_main(args: argparse.Namespace, model_dir: Path, prompts: Path) -> 
     return 0 if np.isfinite(ratio) else 1
 
 
+def learner_job():
+    """The calculator example's job, its model and adapter read from this checkout."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = doc["spec"]
+    spec["model"]["source"] = str(SMOLLM2)
+    spec["lora"]["restoreFrom"] = str(ROOT / spec["lora"]["restoreFrom"])
+    spec["data"]["source"] = str(ROOT / spec["data"]["source"])
+    spec["output"]["uri"] = tempfile.mkdtemp()
+    job, errors = validate(doc)
+    assert not errors, errors
+    return job
+
+
+def learner_main(args: argparse.Namespace) -> int:
+    if not (SMOLLM2 / "model.safetensors").exists():
+        print(f"--learner needs SmolLM2-135M-Instruct converted under {SMOLLM2}")
+        return 2
+    job = learner_job()
+    spec, g = job.spec, job.spec.grpo
+    mesh = models.make_mesh()
+    policy = load_policy(spec, mesh, Path(tempfile.mkdtemp()))
+    tokenizer = data.load_tokenizer(policy.model_dir)
+    from tunix.rl.grpo import grpo_learner
+
+    from posttrain.trainer.tunix_rl import TunixTokenizer
+
+    tok = TunixTokenizer(tokenizer, g.max_prompt_length)
+    pad, eos = tok.pad_id(), tok.eos_id()
+    config = rl_losses.algo_config(g, grpo_learner.GRPOConfig)
+    config.temperature = g.temperature
+    rows, vocab = spec.training.batch_size * g.num_generations, policy.info.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, vocab, (rows, g.max_prompt_length)).astype(np.int32)
+    prompt[:, : g.max_prompt_length // 4] = pad  # left-padded, as the sampler pads them
+    completion = rng.integers(3, vocab, (rows, g.max_completion_length)).astype(np.int32)
+    batch = {
+        "prompt_ids": jnp.asarray(prompt),
+        "completion_ids": jnp.asarray(completion),
+        "completion_mask": jnp.ones_like(completion),
+        "advantages": jnp.asarray(rng.normal(size=rows), jnp.float32),
+        "rewards": jnp.zeros((rows, 1), jnp.float32),
+    }
+    every_position = mock.patch.object(
+        grpo, "_completion_view", lambda model, ids: models.compute_view(model)
+    )
+    modes = {"every position": every_position, "completion only": contextlib.nullcontext()}
+    with jax.set_mesh(mesh):
+        opt = nnx.Optimizer(policy.model, optim.optimizer(spec.training), wrt=policy.wrt)
+        steps, memory = {}, {}
+        for name, patch in modes.items():  # traced and compiled with the mode's view
+            with patch:
+                step = grpo.make_train_step(policy.wrt, config, pad, eos,
+                                            spec.training.gradient_accumulation, "none")  # fmt: skip
+                compiled = step.lower(policy.model, opt, None, batch).compile()
+                memory[name] = memory_of(compiled)
+                jax.block_until_ready(step(policy.model, opt, None, batch)["loss"])
+            steps[name] = step
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(args.steps):  # one step of each in turn: a busy machine slows both
+            for name, step in steps.items():
+                start = time.perf_counter()
+                jax.block_until_ready(step(policy.model, opt, None, batch)["loss"])
+                times[name].append(time.perf_counter() - start)
+        seconds = {name: statistics.median(t) for name, t in times.items()}
+    total = g.max_prompt_length + g.max_completion_length
+    print(
+        f"learner update of {EXAMPLE.name}: SmolLM2-135M-Instruct, vocab {vocab}, LoRA "
+        f"r{spec.lora.rank}; {rows} rows x ({g.max_prompt_length} prompt + "
+        f"{g.max_completion_length} completion) tokens; remat {spec.training.remat}; "
+        f"median of {args.steps} steps each, taking turns; {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), {os.cpu_count()} CPU cores"
+    )
+    peaks = {name: peak_bytes(m) for name, m in memory.items()}
+    for name, kept in (("every position", total), ("completion only", g.max_completion_length + 1)):
+        m = {k: v / 2**20 for k, v in memory[name].items()}
+        print(
+            f"{name:16s} {kept:4d} positions projected  peak {peaks[name] / 2**20:8.1f} MiB "
+            f"(temporaries {m['temp']:.1f}, arguments {m['argument']:.1f}, outputs "
+            f"{m['output']:.1f}, aliased {m['alias']:.1f})  {seconds[name]:7.3f} s/step"
+        )
+    before, after = "every position", "completion only"
+    print(
+        f"ratio before / after: peak {peaks[before] / peaks[after]:.3f}, "
+        f"seconds a step {seconds[before] / seconds[after]:.3f} (goal: both > 1)"
+    )
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--placement", action="store_true", help="colocated vs disaggregated")
+    p.add_argument("--learner", action="store_true", help="the example's learner update")
     p.add_argument("--devices", type=int, default=None, help="CPU devices (XLA_FLAGS)")
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--sampler-fraction", type=float, default=0.5)
@@ -231,6 +347,8 @@ def main() -> int:
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--completion", type=int, default=16)
     args = p.parse_args()
+    if args.learner:
+        return learner_main(args)
     root = Path(tempfile.mkdtemp())
     model_dir = make_tiny_llama(root / "model", hidden=args.hidden, layers=args.layers)
     prompts = root / "say.jsonl"

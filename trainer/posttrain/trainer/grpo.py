@@ -94,6 +94,13 @@ def _zero_lora(state: nnx.State) -> nnx.State:
     return nnx.merge_state(jax.tree.map(jnp.zeros_like, lora_state), rest)
 
 
+def _completion_view(model: nnx.Module, completion_ids: jax.Array) -> nnx.Module:
+    """``model`` in its compute dtype, projecting onto the vocabulary only the positions
+    that Tunix's log-probs of ``completion_ids`` ([B, K]) read: ``logits[:, -K-1:-1]``
+    of its last K + 1 (``models.last_positions``)."""
+    return models.last_positions(models.compute_view(model), completion_ids.shape[1] + 1)
+
+
 def make_train_step(
     wrt: Any, algo_config: Any, pad_id: int, eos_id: int, accumulation: int, use_ref: str
 ):
@@ -109,10 +116,10 @@ def make_train_step(
         if use_ref == "none":
             return None
         if use_ref == "lora":
-            graphdef, state = nnx.split(models.compute_view(model))
+            graphdef, state = nnx.split(_completion_view(model, batch["completion_ids"]))
             state = _zero_lora(state)
         else:
-            graphdef, state = nnx.split(models.compute_view(ref_model))
+            graphdef, state = nnx.split(_completion_view(ref_model, batch["completion_ids"]))
         return common.compute_per_token_logps(
             graphdef,
             state,
@@ -125,7 +132,7 @@ def make_train_step(
         )
 
     def loss_fn(model, example, behaviour_logps, share):
-        view = models.compute_view(model)
+        view = _completion_view(model, example.completion_ids)
         loss, aux = rl_losses.policy_loss(
             view,
             example,
@@ -562,7 +569,7 @@ def _behaviour_logps_fn(pad_id: int, eos_id: int, temperature: float):
     from tunix.rl import common
 
     def logps(model, prompt_ids, completion_ids):
-        graphdef, state = nnx.split(models.compute_view(model))
+        graphdef, state = nnx.split(_completion_view(model, completion_ids))
         return common.compute_per_token_logps(
             graphdef,
             state,

@@ -13,6 +13,7 @@ Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` rea
 - ``generation``: the forward pass and greedy generation;
 - ``attention``: flash attention kernels (splash on TPU, cuDNN on GPU) for training;
 - ``remat``: decoder-layer remat that keeps the matmul outputs (``spec.training.remat: dots``);
+- ``head``: the vocabulary projection over only the last positions (completions' log-probs);
 - ``saving``: a model (LoRA merged in) back to a HF checkpoint.
 
 Imports point one way: ``posttrain.trainer.lora`` stands on this package, and
@@ -46,6 +47,7 @@ from posttrain.trainer.models.generation import (
     next_logits,
     without_remat,
 )
+from posttrain.trainer.models.head import last_positions
 from posttrain.trainer.models.loading import abstract_model, fit_spec, load_model
 from posttrain.trainer.models.param_map import ParamMap
 from posttrain.trainer.models.params import param_maps
@@ -68,6 +70,7 @@ __all__ = [
     "greedy_generate",
     "host_array",
     "init_cache",
+    "last_positions",
     "next_logits",
     "load_model",
     "make_mesh",
