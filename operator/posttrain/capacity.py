@@ -627,7 +627,10 @@ def estimate(
     # float32 copies (Qwen3 0.6B, 28 layers, bench/memory.py); LoRA keeps fewer float32
     # copies, its gradient not reaching the embedding (XLA's figures).
     per_scored = {"sft": 4, "grpo": 16}.get(str(spec.technique), 8) - (2 if spec.lora else 0)
-    logits = tokens * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
+    # GRPO's learner projects only the completion's positions (and the one before it)
+    # onto the vocabulary (the trainer's models.last_positions); the others project all.
+    projected = rows * (scored + 1) if spec.technique == "grpo" else tokens
+    logits = projected * shape.vocab * (w + 4) + rows * scored * shape.vocab * per_scored
     whole = 0  # weights gathered whole over fsdp: the embedding and one decoder layer
     if fsdp > 1:
         whole = shape.vocab * shape.hidden + shape.layer_params

@@ -66,8 +66,9 @@ REMAT_XLA_FLAGS = MEMORY_SCHEDULER  # what `posttrain run` and `posttrain train`
 # (models.last_positions). At these small shapes without remat, where XLA's peak is in the
 # loss, that took XLA's figure down 10-12% (66.7 -> 60.3 and 69.5 -> 61.1 MiB); at the
 # published shapes of bench/memory.py, whose peak is in the layers, 0.2-1.5% (grpo-full
-# 39.7 -> 39.1 GiB, grpo-lora 58.4 -> 58.3). The estimate's GRPO logit bytes, set at those
-# shapes, put these two cases at 1.37 and 1.41 of XLA (over: conservative), until refitted.
+# 39.7 -> 39.1 GiB, grpo-lora 58.4 -> 58.3). The estimate counts the projection over the
+# completion too, but its per-scored-logit bytes, set at those shapes, leave these two
+# cases at 1.27 and 1.31 of XLA (over: conservative), until refitted.
 OVER_XLA = {"grpo-4dev", "grpo-4dev-acc4"}
 
 
