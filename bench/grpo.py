@@ -103,7 +103,10 @@ def make_job(model_dir: Path, prompts: Path, args: argparse.Namespace):
             },
             "grpo": {
                 "numGenerations": args.generations,
-                "beta": 0.0,
+                # Not 0: a random model's rewards all agree, and without a KL term such a
+                # step skips the learner's passes (grpo.make_zero_advantage_step), which
+                # Tunix's loop does not; with one both loops run the learner every step.
+                "beta": 1e-3,
                 "maxPromptLength": 48,
                 "maxCompletionLength": args.completion,
                 "temperature": 1.0,

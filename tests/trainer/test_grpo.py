@@ -338,3 +338,19 @@ def test_dapo_dynamic_sampling_refills_the_batch_with_new_prompts(task, tmp_path
     again = dapo_run.rollout(batch, 3)
     for key in ("prompt_ids", "completion_ids", "advantages"):
         assert np.array_equal(dapo[key], again[key]), key
+
+
+def test_a_step_with_no_advantage_skips_the_learners_passes(task, tmp_path):
+    """beta 0: a step whose groups all scored alike (every advantage zero) is
+    `make_zero_advantage_step`'s update, which measures no entropy; one with an advantage
+    is the full train step's. With one prompt a step, a step's rewards all agree exactly
+    when their spread (reward_std) is zero."""
+    out = tmp_path / "out"
+    spec = grpo_spec(task, out, grpo={"numGenerations": 4, "beta": 0.0})
+    spec["training"].update(steps=8, batchSize=1)
+    assert run(spec).step == 8
+    logged = scalars(out / "tensorboard")
+    zero, spread = logged["train/zero_advantage"], logged["train/reward_std"]
+    assert sorted(zero) == list(range(1, 9)) and {0.0, 1.0} == set(zero.values()), zero
+    assert {s for s, v in zero.items() if v} == {s for s, v in spread.items() if v == 0}
+    assert set(logged["train/entropy"]) == {s for s, v in zero.items() if not v}

@@ -179,20 +179,41 @@ def make_train_step(
         scale = 1.0 / accumulation
         grads = jax.tree.map(lambda g: g * scale, grads)
         optimizer.update(model, grads)
-        mask = batch["completion_mask"].astype(jnp.float32)
-        out = {
+        return {
             "loss": loss * scale,
             "grad_norm": optax.tree.norm(grads),
             **{k: v * scale for k, v in metrics.items()},
-            "reward": jnp.mean(jnp.sum(batch["rewards"], axis=-1)),
-            "reward_std": jnp.std(jnp.sum(batch["rewards"], axis=-1)),
-            "reward_parts": jnp.mean(batch["rewards"], axis=0),
-            "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
-            "tokens": jnp.sum(mask),
+            **_rollout_metrics(batch),
         }
-        return out
 
     return optim.jit_step(step)
+
+
+def make_zero_advantage_step(wrt: Any):
+    """The update of a batch whose every advantage is zero, without a KL term (beta 0):
+    the policy loss is zero whatever the weights, and so is its gradient, so the update
+    is the optimizer's with zero gradients (its moments decay, weight decay and the
+    schedule go on), as `make_train_step`'s would be, without the forward and backward
+    passes. Same arguments and metrics, less what only those passes measure (entropy,
+    clip fraction, KL)."""
+
+    def step(model, optimizer, ref_model, batch):
+        del ref_model
+        optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, wrt)))
+        return {"loss": jnp.float32(0), "grad_norm": jnp.float32(0), **_rollout_metrics(batch)}
+
+    return optim.jit_step(step)
+
+
+def _rollout_metrics(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    mask = batch["completion_mask"].astype(jnp.float32)
+    return {
+        "reward": jnp.mean(jnp.sum(batch["rewards"], axis=-1)),
+        "reward_std": jnp.std(jnp.sum(batch["rewards"], axis=-1)),
+        "reward_parts": jnp.mean(batch["rewards"], axis=0),
+        "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
+        "tokens": jnp.sum(mask),
+    }
 
 
 class GrpoRun:
@@ -345,6 +366,7 @@ class GrpoRun:
             spec.training.gradient_accumulation,
             self.ref_kind,
         )
+        self.zero_advantage_step = make_zero_advantage_step(policy.wrt) if g.beta == 0 else None
         self.batch_keys = BATCH_KEYS + (("behaviour_logps",) if g.max_staleness else ())
 
     # ---------------------------------------------------------------- per step
@@ -517,7 +539,7 @@ class GrpoRun:
         rolled = self.rollout(host_batch, index)
         rollout_seconds = time.monotonic() - start
         batch = loop._global_batch(rolled, self.mesh, BATCH_KEYS)
-        out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        out = self._update(batch, rolled)
         out["rollout_seconds"] = rollout_seconds
         return self._named(out, rolled)
 
@@ -534,13 +556,25 @@ class GrpoRun:
         rolled, version = rollouts.take(index)
         batch = loop._global_batch(rolled, self.mesh, self.batch_keys)
         start = time.monotonic()
-        out = dict(self.train_step(self.policy.model, self.opt, self.ref_model, batch))
+        out = self._update(batch, rolled)
         jax.block_until_ready(out)
         rollouts.trained(start, time.monotonic())
         rollouts.submit_due(index + 1, batch_at)
         out["staleness"] = index - version
         out.update(rollouts.metrics())
         return self._named(out, rolled)
+
+    def _update(self, batch: dict[str, jax.Array], rolled: dict[str, Any]) -> dict[str, Any]:
+        """The step's update. One whose rollouts all have zero advantage, on every host
+        (every group's rewards agreed: nothing to learn), is `make_zero_advantage_step`'s
+        when there is no KL term, and says so (`zero_advantage`)."""
+        nonzero = float(np.count_nonzero(rolled["advantages"]))
+        zero = evaluate.across_hosts({"nonzero": nonzero})["nonzero"] == 0
+        skip = zero and self.zero_advantage_step is not None
+        step = self.zero_advantage_step if skip else self.train_step
+        out = dict(step(self.policy.model, self.opt, self.ref_model, batch))
+        out["zero_advantage"] = float(zero)
+        return out
 
     def close(self) -> None:
         if self.async_rollouts is not None:
