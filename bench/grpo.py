@@ -33,8 +33,9 @@ was, projecting every position onto the 49152-token vocabulary, against the upda
 projecting only the completion's positions (``models.last_positions``), with the
 trainer's CPU scheduler (``cpu_flags``). It prints each one's compiled peak
 (``memory_analysis()``: arguments + temporaries + outputs - aliased) and seconds a step
-(the median of ``--steps`` steps after a compiling one, the two updates taking turns),
-and the ratios before / after:
+(the median of ``--steps`` steps after a compiling one, the updates taking turns),
+and the ratios before / after; and the update of a batch whose every advantage is zero
+(``grpo.make_zero_advantage_step``: no forward or backward pass):
 
     python bench/grpo.py --learner [--steps 10]
 """
@@ -305,11 +306,16 @@ def learner_main(args: argparse.Namespace) -> int:
                 memory[name] = memory_of(compiled)
                 jax.block_until_ready(step(policy.model, opt, None, batch)["loss"])
             steps[name] = step
+        # A batch whose every advantage is zero (beta 0): no forward or backward pass.
+        zero = {**batch, "advantages": jnp.zeros_like(batch["advantages"])}
+        steps["zero advantage"] = grpo.make_zero_advantage_step(policy.wrt)
+        jax.block_until_ready(steps["zero advantage"](policy.model, opt, None, zero)["loss"])
         times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(args.steps):  # one step of each in turn: a busy machine slows both
+        for _ in range(args.steps):  # one step of each in turn: a busy machine slows all
             for name, step in steps.items():
                 start = time.perf_counter()
-                jax.block_until_ready(step(policy.model, opt, None, batch)["loss"])
+                inputs = zero if name == "zero advantage" else batch
+                jax.block_until_ready(step(policy.model, opt, None, inputs)["loss"])
                 times[name].append(time.perf_counter() - start)
         seconds = {name: statistics.median(t) for name, t in times.items()}
     total = g.max_prompt_length + g.max_completion_length
@@ -332,6 +338,10 @@ def learner_main(args: argparse.Namespace) -> int:
     print(
         f"ratio before / after: peak {peaks[before] / peaks[after]:.3f}, "
         f"seconds a step {seconds[before] / seconds[after]:.3f} (goal: both > 1)"
+    )
+    print(
+        f"a step whose advantages are all zero: {seconds['zero advantage']:.3f} s/step, "
+        f"{seconds[after] / seconds['zero advantage']:.0f}x less than the update's"
     )
     return 0
 

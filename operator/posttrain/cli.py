@@ -207,13 +207,14 @@ def _compiled(path: str, job: PostTrainJob, result: str | None, fetch: bool) -> 
     from posttrain import catalog
 
     try:
-        from posttrain.trainer import tpu_compile
+        from posttrain.trainer import compile_cache, tpu_compile
     except ImportError as e:
         _failed(
             f"posttrain estimate --compile needs the 'trainer' extra: "
             f"pip install 'posttrain[trainer]' ({e})"
         )
         return 2
+    compile_cache.enable()  # an estimate asked again reads the compiler's figures
     res = job.spec.resources
     placement = catalog.resolve(res.accelerator, res.topology, res.gpus_per_node, res.machine_type)
     try:

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from hf_fixtures import FIXTURES
 
-from posttrain.trainer import lora, models, sft
+from posttrain.trainer import compile_figures, lora, models, sft
 from posttrain.trainer.models import attention
 
 pytestmark = pytest.mark.trainer
@@ -233,7 +233,7 @@ def compiled_step_temp(mesh, fixture: str, kernel: str, length: int, batch: int 
         rows = {k: jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=replicated)
                 for k in keys}  # fmt: skip
         step = nnx.jit(nnx.value_and_grad(loss))
-        compiled = step.lower(model, rows).compile()
+        compiled = compile_figures.compile(step.lower(model, rows), mesh)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

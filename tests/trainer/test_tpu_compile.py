@@ -166,6 +166,37 @@ def test_grpo_compiles_its_sampler_beside_the_train_step(models_dir):
     assert report.summary()["samplerPeakGiB"] > 0
 
 
+@needs_libtpu
+def test_a_job_with_tools_compiles_its_episode_sampler(models_dir):
+    """spec.grpo.agent samples with posttrain's EpisodeSampler, not Tunix's loop: its
+    decoding loop is what is compiled, its cache a turn longer than the episode's
+    prompt and budget."""
+    from posttrain import catalog
+    from posttrain.trainer import sampler_memory, step_memory, tpu_compile
+
+    tools = [{"name": "calculator", "type": "calculator"}]
+    grpo = {"numGenerations": 16, "maxPromptLength": 64, "maxCompletionLength": 1024,
+            "rewards": [{"type": "exactAnswer"}],
+            "agent": {"maxTurns": 2, "turnLength": 1536, "tools": tools}}  # fmt: skip
+    doc = _doc(models_dir / "qwen3", "v5e-1", technique="grpo", lora={"rank": 8}, grpo=grpo,
+               training={"batchSize": 2})  # fmt: skip
+    mesh = step_memory.mesh_of(1, 1, tpu_compile.tpu_devices(catalog.resolve("v5e-1")))
+    compiled, held = sampler_memory.compile_sampler(PostTrainJobSpec.model_validate(doc), mesh)
+    c = QWEN3
+
+    def kv(slots: int) -> int:  # bf16 keys and values of 32 rows
+        return (
+            2 * 32 * slots * c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"]
+        )
+
+    weights = 2 * c["vocab_size"] * c["hidden_size"]  # bf16 embedding, the largest weight
+    args = step_memory.memory_of(compiled)["argument"]
+    # The episode's cache alone is more than Tunix's cache (64 + 1024 slots) and weights.
+    assert kv(64 + 1024) + 2 * weights < kv(64 + 1024 + 1536) <= args, (args, kv(2624))
+    assert args <= 2 * (kv(2624) + weights) + (8 << 20), (args, kv(2624), weights)
+    assert held > 0  # the LoRA optimizer's state, beside it
+
+
 def test_a_cpu_job_compiles_with_xla_cpu(models_dir, tmp_path, capsys):
     code = cli.main(["estimate", "--compile", _job_file(tmp_path, _doc(models_dir / "llama",
                                                                        "cpu"))])  # fmt: skip

@@ -2,7 +2,10 @@
 train step: Tunix's decoding loop (the program ``spec.grpo.rolloutEngine: vanilla`` runs
 for every rollout: its KV cache for numGenerations x batchSize sequences of
 maxPromptLength + maxCompletionLength tokens, the policy's weights with its adapters)
-on the job's mesh, traced with abstract arrays only.
+on the job's mesh, traced with abstract arrays only. A job with tools (spec.grpo.agent)
+samples its episodes with posttrain's ``EpisodeSampler`` instead: its decoding loop over
+one turn, with a KV cache of maxPromptLength + maxCompletionLength + turnLength tokens an
+episode.
 
 Colocated, the sampler runs on the trainer's devices while the optimizer's state stays
 there; `colocated_peak` adds that state to the sampler's own figure.
@@ -11,6 +14,7 @@ there; `colocated_peak` adds that state to the sampler's own figure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import PostTrainJobSpec
-from posttrain.trainer import lora, models, optim, step_memory
+from posttrain.trainer import compile_figures, lora, models, optim, step_memory
 from posttrain.trainer.policy import DTYPES
 
 
@@ -48,9 +52,9 @@ class StubTokenizer:
 
 
 def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, int]:
-    """The sampler's jitted decoding loop, its abstract arguments on `mesh` (the policy's
-    variables, the sampling state after the prefill) and the bytes of the optimizer's
-    state that stay on the devices beside it."""
+    """The lowering of the sampler's jitted decoding loop, its abstract arguments on
+    `mesh` (the policy's variables, the sampling state after the prefill) and the bytes
+    of the optimizer's state that stay on the devices beside it."""
     from tunix.generate import sampler as tunix_sampler
     from tunix.rl.rollout import base_rollout
 
@@ -72,12 +76,14 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, 
             math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
             for x in jax.tree.leaves(step_memory._abstract(nnx.state(opt.opt_state), mesh))
         )
+        rows = t.batch_size * g.num_generations
+        if g.agent:
+            return (*_episode_decode(models.without_remat(model), g, rows), held)
         length = g.max_prompt_length + g.max_completion_length
         cache = base_rollout.CacheConfig(cache_size=length, num_layers=info.num_layers,
                                          num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)  # fmt: skip
         sampler = tunix_sampler.Sampler(models.without_remat(model), StubTokenizer(), cache)
         sampler.eos_ids = np.array([1], np.int32)  # no eager array on compile-only devices
-        rows = t.batch_size * g.num_generations
         prompts = jax.ShapeDtypeStruct((rows, g.max_prompt_length), jnp.int32)
 
         def start(ids):
@@ -90,12 +96,36 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, 
         state = jax.eval_shape(start, prompts)
         # A static field the sampler fills from the prompts' shape: concrete, as when it runs.
         state = dataclasses.replace(state, num_input_tokens=np.array(g.max_prompt_length, np.int32))
-    return sampler._compiled_decode_fn, (sampler._flattened_transformer_state, state), held
+    return sampler._compiled_decode_fn.lower, (sampler._flattened_transformer_state, state), held
+
+
+def _episode_decode(model: Any, g: Any, rows: int) -> tuple[Any, tuple]:
+    """spec.grpo.agent's sampler (``EpisodeSampler``): the lowering of its decoding loop
+    over one turn of `rows` episodes, and its abstract arguments. Its cache holds the
+    prompt, the episode's budget and a turn (``AgentRollout.sampler``)."""
+    from posttrain.trainer import episode_sampler
+
+    turn = int(g.agent.turn_length or g.max_completion_length)
+    size = g.max_prompt_length + g.max_completion_length + turn
+    cache = jax.eval_shape(lambda: models.init_cache(model, rows, size))
+    vocab = model.embedder.input_embedding.shape[0]  # the logits' width
+    lower = functools.partial(episode_sampler._decode.lower, steps=turn, eos=1, pad=0)
+    args = (
+        model,
+        jax.ShapeDtypeStruct((rows, vocab), jnp.float32),  # the prefill's last logits
+        cache,
+        jax.ShapeDtypeStruct((rows, size), jnp.bool_),  # valid slots
+        jax.ShapeDtypeStruct((rows,), jnp.int32),  # positions
+        jax.ShapeDtypeStruct((rows,), jnp.bool_),  # ended
+        jax.ShapeDtypeStruct((2,), jnp.uint32),  # the turn's key
+        jax.ShapeDtypeStruct((), jnp.float32),  # temperature
+    )
+    return lower, args
 
 
 def compile_sampler(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, int]:
     """The sampler's decoding loop compiled for `mesh`, and the optimizer's state per
     device that stays beside it (bytes)."""
-    decode, args, held = build(spec, mesh)
+    lower, args, held = build(spec, mesh)
     with jax.set_mesh(mesh):
-        return decode.lower(*args).compile(), held
+        return compile_figures.compile(lower(*args), mesh), held

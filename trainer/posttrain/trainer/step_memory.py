@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec, PostTrainJobSpec
-from posttrain.trainer import models, optim
+from posttrain.trainer import compile_figures, models, optim
 from posttrain.trainer.mesh import AXES, BATCH_AXES
 from posttrain.trainer.models import attention as attention_lib
 from posttrain.trainer.policy import DTYPES
@@ -118,7 +118,7 @@ def compile_step(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> Any:
     devices, a real accelerator's, or compile-only TPU devices: nothing runs on them)."""
     step, args = build(spec, mesh)
     with jax.set_mesh(mesh):
-        return step.lower(*args).compile()
+        return compile_figures.compile(step.lower(*args), mesh)
 
 
 def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:

@@ -1,0 +1,78 @@
+"""A program compiled for compile-only TPU devices keeps its figures on disk
+(``compile_figures``): the same program compiled again reads them (memory and flops equal
+to the compiler's, no compile), its out-of-memory refusal too; another program, a
+damaged entry, or no cache directory compiles. Needs libtpu (the tpu-compile extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from posttrain import catalog
+from posttrain.trainer import compile_figures, step_memory, tpu_compile
+
+pytestmark = [
+    pytest.mark.trainer,
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) not installed"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return step_memory.mesh_of(1, 1, tpu_compile.tpu_devices(catalog.resolve("v5e-1")))
+
+
+def lowered(mesh, n: int):
+    """x @ x.T for an [n, 1024] float32 x on the mesh's one chip: its temporaries grow
+    as n squared (n = 70,000 needs more than a v5e chip's HBM)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((n, 1024), jnp.float32, sharding=sharding)
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda x: jnp.sort(x @ x.T, axis=0)[0]).lower(x)
+
+
+def test_the_same_program_reads_its_figures(mesh, tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_figures, "_cache_root", lambda: tmp_path)
+    first = compile_figures.compile(lowered(mesh, 4096), mesh)
+    assert not isinstance(first, compile_figures.Figures)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    again = compile_figures.compile(lowered(mesh, 4096), mesh)
+    assert isinstance(again, compile_figures.Figures)
+    assert step_memory.memory_of(again) == step_memory.memory_of(first)
+    assert again.memory["temp"] >= 4096 * 4096 * 4  # the product's own bytes, at least
+    assert again.cost_analysis()["flops"] == first.cost_analysis()["flops"] > 0
+
+    other = compile_figures.compile(lowered(mesh, 2048), mesh)  # another program: compiled
+    assert not isinstance(other, compile_figures.Figures)
+    assert step_memory.memory_of(other)["temp"] < again.memory["temp"]
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_refusal_is_kept_and_a_damaged_entry_compiles_again(mesh, tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_figures, "_cache_root", lambda: tmp_path)
+    with pytest.raises(Exception) as first:
+        compile_figures.compile(lowered(mesh, 70_000), mesh)
+    assert tpu_compile.out_of_memory(str(first.value)) is not None, first.value
+    with pytest.raises(compile_figures.StoredRefusal) as again:
+        compile_figures.compile(lowered(mesh, 70_000), mesh)
+    assert str(again.value) == str(first.value)
+
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text('{"memory": {"argument": 1')  # cut short
+    with pytest.raises(Exception) as compiled:
+        compile_figures.compile(lowered(mesh, 70_000), mesh)
+    assert not isinstance(compiled.value, compile_figures.StoredRefusal)
+    assert tpu_compile.out_of_memory(str(compiled.value)) is not None
+
+
+def test_without_a_cache_every_compile_compiles(mesh, monkeypatch):
+    monkeypatch.setattr(compile_figures, "_cache_root", lambda: None)
+    for _ in range(2):
+        assert not isinstance(compile_figures.compile(lowered(mesh, 512), mesh),
+                              compile_figures.Figures)  # fmt: skip
