@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -93,9 +94,14 @@ def _cache_root() -> Path | None:
     return Path(cache) / DIRECTORY if cache else None
 
 
-def _key(lowered: Any, devices: list[Any]) -> str:
-    from posttrain.trainer.tpu_compile import libtpu_version
+def libtpu_version() -> str | None:
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return None
 
+
+def _key(lowered: Any, devices: list[Any]) -> str:
     digest = hashlib.sha256(lowered.as_text().encode())
     for part in (
         jax.__version__,

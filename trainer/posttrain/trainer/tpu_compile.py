@@ -27,12 +27,12 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from posttrain import capacity
 from posttrain.api.spec import PostTrainJobSpec
 from posttrain.catalog import Placement
+from posttrain.trainer.compile_figures import libtpu_version
 
 EXTRA = "tpu-compile"
 # libtpu's settings for compile-only use: no TPU metadata server to ask, and no claim on
@@ -55,13 +55,6 @@ def missing_libtpu_message() -> str:
         f"posttrain estimate --compile of a TPU job needs the TPU compiler: "
         f"pip install 'posttrain[{EXTRA}]' (libtpu; no TPU needed)"
     )
-
-
-def libtpu_version() -> str | None:
-    try:
-        return version("libtpu")
-    except PackageNotFoundError:
-        return None
 
 
 def require_libtpu() -> None:
