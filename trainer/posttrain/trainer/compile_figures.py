@@ -67,18 +67,28 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
     try:
         compiled = lowered.compile()
     except Exception as e:
-        if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+        if is_out_of_memory(str(e)):
             _store(path, {"error": str(e)})
         raise
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
     _store(path, {
         "memory": {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in _MEMORY},
-        "cost": {k: float(v) for k, v in (cost or {}).items() if isinstance(v, int | float)},
+        "cost": {k: float(v) for k, v in cost_of(compiled).items() if isinstance(v, int | float)},
     })  # fmt: skip
     return compiled
+
+
+def is_out_of_memory(message: str) -> bool:
+    """Whether a compile error is the TPU compiler's out-of-memory refusal."""
+    return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message
+
+
+def cost_of(compiled: Any) -> dict[str, Any]:
+    """A compiled program's cost_analysis() as one dict (older JAX: one per program)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    return cost or {}
 
 
 def _directory(devices: list[Any]) -> Path | None:

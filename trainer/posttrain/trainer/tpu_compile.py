@@ -32,7 +32,7 @@ from typing import Any
 from posttrain import capacity
 from posttrain.api.spec import PostTrainJobSpec
 from posttrain.catalog import Placement
-from posttrain.trainer.compile_figures import libtpu_version
+from posttrain.trainer.compile_figures import cost_of, is_out_of_memory, libtpu_version
 
 EXTRA = "tpu-compile"
 # libtpu's settings for compile-only use: no TPU metadata server to ask, and no claim on
@@ -129,7 +129,7 @@ def out_of_memory(message: str) -> tuple[int | None, int | None] | None:
     """(required, available) bytes from a TPU compiler's out-of-memory error ("... the
     total memory required for HLO temporaries (42.32G) exceeds available HBM (15.75G)"),
     None when the error is not one."""
-    if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+    if not is_out_of_memory(message):
         return None
     need = re.search(r"required for [^(]*\(" + _SIZE + r"\)", message)
     have = re.search(r"available (?:HBM|memory)[^(]*\(" + _SIZE + r"\)", message)
@@ -157,10 +157,7 @@ def compile_program(
         first = " ".join(str(e).split())
         return Program(name, seconds=time.monotonic() - started, error=first[:400],
                        required=found[0], available=found[1])  # fmt: skip
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
-    flops = (cost or {}).get("flops")
+    flops = cost_of(compiled).get("flops")
     return Program(name, step_memory.memory_of(compiled), float(flops) if flops else None,
                    time.monotonic() - started)  # fmt: skip
 
