@@ -106,6 +106,12 @@ def test_tokens_per_second_counts_until_the_device_finishes_the_window():
     loss, rate = window.close(StillComputing())
     assert loss == 1.5 and 0 < rate <= 600 / 0.2
     assert window.tokens == [] and time.monotonic() - window.start < 0.1
+    # Read after the next step was queued: the window ends, and the next begins, where
+    # that step's work began, so the next window holds all of that step's time.
+    began = window.start + 0.5
+    window.tokens += [np.int32(100)]
+    assert window.close(1.0, began) == (1.0, pytest.approx(100 / 0.5))
+    assert window.start == began
 
 
 def test_a_log_step_is_read_once_the_next_step_is_queued(model_dir, tmp_path, monkeypatch):
@@ -114,7 +120,7 @@ def test_a_log_step_is_read_once_the_next_step_is_queued(model_dir, tmp_path, mo
     checkpoints (which waits for the device anyway) or is the last."""
     from posttrain.trainer import loop, sft
 
-    dispatched, read_after = [], []
+    dispatched, read_after, ends, times = [], [], [], []
     make_step = sft.make_train_step
 
     def counting_step(*args, **kwargs):
@@ -122,21 +128,26 @@ def test_a_log_step_is_read_once_the_next_step_is_queued(model_dir, tmp_path, mo
 
         def counted(*a, **k):
             dispatched.append(len(dispatched) + 1)
+            times.append(time.monotonic())
             return step(*a, **k)
 
         return counted
 
     close = loop.Window.close
 
-    def recording_close(self, loss):
+    def recording_close(self, loss, end=None):
         read_after.append(len(dispatched))
-        return close(self, loss)
+        ends.append(end)
+        return close(self, loss, end)
 
     monkeypatch.setattr(sft, "make_train_step", counting_step)
     monkeypatch.setattr(loop.Window, "close", recording_close)
     result = run_job(job_doc(model_dir, tmp_path / "out", steps=8, every=4))
     # Log steps 2, 4, 6, 8; checkpoints at 4 and 8: steps 2 and 6 are read after the next.
     assert read_after == [3, 4, 7, 8]
+    # Steps 2 and 6 end their windows where the work of steps 3 and 7 began; 4 and 8 when read.
+    assert ends[1] is None and ends[3] is None
+    assert times[1] < ends[0] <= times[2] and times[5] < ends[2] <= times[6]
     assert sorted(result.losses) == [2, 4, 6, 8]
     tb = scalars(tmp_path / "out" / "tensorboard")
     assert {s: tb["train/loss"][s] for s in result.losses} == pytest.approx(result.losses)

@@ -136,20 +136,19 @@ def train(
 
 
 class Window:
-    """The steps since the last log: their tokens (device scalars, read back when the
-    window closes) and when the window began."""
+    """The steps since the last log: their tokens (device scalars) and when they began."""
 
     def __init__(self) -> None:
         self.start, self.tokens = time.monotonic(), []
 
-    def close(self, loss: Any) -> tuple[float, float]:
-        """(the window's last loss, its tokens/s), timed to when the device finished the
-        last step (reading the loss waits for it), not to when the host dispatched it;
-        then a new window begins."""
+    def close(self, loss: Any, end: float | None = None) -> tuple[float, float]:
+        """(the window's last loss, its tokens/s) up to `end`, when the next step's work
+        began (a window read once that step is queued), else to when the device finished
+        the last step (reading the loss waits for it); the next window begins there."""
         loss_value = float(loss)
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = sum(int(t) for t in self.tokens) / elapsed
-        self.start, self.tokens = time.monotonic(), []
+        end = time.monotonic() if end is None else end
+        rate = sum(int(t) for t in self.tokens) / max(end - self.start, 1e-9)
+        self.start, self.tokens = end, []
         return loss_value, rate
 
 
@@ -368,9 +367,9 @@ def run_steps(
     in_flight: collections.deque = collections.deque()
     pending: tuple[int, Any, dict[str, Any]] | None = None
 
-    def report(step_number: int, loss: Any, out: dict[str, Any]) -> None:
+    def report(step_number: int, loss: Any, out: dict[str, Any], end: float | None = None):
         nonlocal metrics
-        loss_value, tokens_per_second = window.close(loss)
+        loss_value, tokens_per_second = window.close(loss, end)
         metrics = {
             "loss": loss_value,
             "learning_rate": float(schedule(step_number - 1)),
@@ -392,6 +391,7 @@ def run_steps(
         if result.step < total:
             progress.phase(f"compiling and running step {result.step + 1}")
         while result.step < total and not stop:
+            began = time.monotonic()  # where a window read after this step's dispatch ends
             host_batch = next(loader)
             clock.data(device_busy=loss is not None and not _is_ready(loss))
             out = dict(step(host_batch, result.step))
@@ -405,7 +405,7 @@ def run_steps(
             if len(in_flight) > IN_FLIGHT:
                 jax.block_until_ready(in_flight.popleft())
             if pending is not None:
-                report(*pending)
+                report(*pending, began)
                 pending = None
             window.tokens.append(out.pop("tokens", 0))
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
