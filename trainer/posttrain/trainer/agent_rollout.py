@@ -62,6 +62,13 @@ class TurnSampler(Protocol):
         ...
 
 
+def turn_and_cache(g: Any) -> tuple[int, int]:
+    """spec.grpo's tokens a model turn (agent.turnLength, else maxCompletionLength) and
+    the slots of an episode's KV cache: the prompt, the episode's budget and a turn."""
+    turn = int(g.agent.turn_length or g.max_completion_length)
+    return turn, int(g.max_prompt_length) + int(g.max_completion_length) + turn
+
+
 class AgentRollout:
     def __init__(
         self,
@@ -78,7 +85,7 @@ class AgentRollout:
         self.toolbox = Toolbox(agent, environ)
         self.tok = tok
         self.max_turns = int(agent.max_turns)
-        self.turn_length = int(agent.turn_length or g.max_completion_length)
+        self.turn_length, self.cache_size = turn_and_cache(g)
         self.prompt_length = int(g.max_prompt_length)
         self.budget = int(g.max_completion_length)
         self.instructions = agent.instructions or self.format.instructions(self.toolbox.schemas())
@@ -90,7 +97,7 @@ class AgentRollout:
         return EpisodeSampler(
             model,
             rows,
-            self.prompt_length + self.budget + self.turn_length,
+            self.cache_size,
             self.turn_length,
             eos=self.tok.eos_id(),
             pad=self.tok.pad_id(),

@@ -102,11 +102,10 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, 
 def _episode_decode(model: Any, g: Any, rows: int) -> tuple[Any, tuple]:
     """spec.grpo.agent's sampler (``EpisodeSampler``): the lowering of its decoding loop
     over one turn of `rows` episodes, and its abstract arguments. Its cache holds the
-    prompt, the episode's budget and a turn (``AgentRollout.sampler``)."""
-    from posttrain.trainer import episode_sampler
+    prompt, the episode's budget and a turn (``agent_rollout.turn_and_cache``)."""
+    from posttrain.trainer import agent_rollout, episode_sampler
 
-    turn = int(g.agent.turn_length or g.max_completion_length)
-    size = g.max_prompt_length + g.max_completion_length + turn
+    turn, size = agent_rollout.turn_and_cache(g)
     cache = jax.eval_shape(lambda: models.init_cache(model, rows, size))
     vocab = model.embedder.input_embedding.shape[0]  # the logits' width
     lower = functools.partial(episode_sampler._decode.lower, steps=turn, eos=1, pad=0)
