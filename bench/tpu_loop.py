@@ -91,7 +91,9 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
     return path
 
 
-def posttrain_run(job: Path, out: Path, tag: str = "train/tokens_per_second") -> dict:
+def posttrain_run(
+    job: Path, out: Path, tag: str = "train/tokens_per_second", env: dict | None = None
+) -> dict:
     """Runs the job as a user does; `tag`'s value by step and the seconds from process
     start to each logged step, from its TensorBoard events. Its log (timestamped: where
     the start-up's seconds go) is written as it runs to $OUT/<out's name>.log ($OUT: the
@@ -103,7 +105,8 @@ def posttrain_run(job: Path, out: Path, tag: str = "train/tokens_per_second") ->
     start = time.time()
     with log.open("w") as f:
         proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", str(job)],
-                              stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+                              stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, **(env or {})})  # fmt: skip
     if proc.returncode:
         print(log.read_text()[-4000:], file=sys.stderr)
         raise SystemExit(f"posttrain run exited {proc.returncode}")
@@ -163,9 +166,17 @@ def main() -> int:
     print(f"posttrain run: {args.steps} steps in {first['wall_s']:.0f} s; tokens/s by window "
           + ", ".join(f"{s}: {r:,.0f}" for s, r in sorted(first["rates"].items())), flush=True)  # fmt: skip
 
+    ref = back_to_back(args)  # before the restart: a call cut short keeps the ratio
+    ratio = loop_rate / ref["tokens_per_s"] if "tokens_per_s" in ref else None
+    print(f"back to back: {ref.get('step_ms', float('nan')):.1f} ms a step, "
+          f"{ref.get('tokens_per_s', float('nan')):,.0f} tokens/s (compile {ref.get('compile_s', 0):.0f} s)\n"
+          f"posttrain run / back to back: {ratio or float('nan'):.3f} "
+          f"(steady {loop_rate:,.0f} tokens/s)", flush=True)  # fmt: skip
     to_step_1 = None
     if not args.no_restart:
-        again = posttrain_run(job_file(args, root, root / "again", 1), root / "again")
+        # JAX logs each program's tracing, lowering and cache hit: where the seconds go
+        again = posttrain_run(job_file(args, root, root / "again", 1), root / "again",
+                              env={"JAX_LOG_COMPILES": "1"})  # fmt: skip
         to_step_1 = again["seconds_to_step"].get(1)
         print(f"again, compilation cache warm: step 1 at {to_step_1:.1f} s from process start "
               f"(the first run: step {args.log_every} at "
@@ -175,24 +186,19 @@ def main() -> int:
               "its log up to step 1:", flush=True)  # fmt: skip
         for line in again["log"].read_text().splitlines():
             if " INFO " in line or " WARNING " in line:
-                print("  " + line[:160], flush=True)
+                print("  " + line[:200], flush=True)
             if "step 1" in line:
                 break
-    ref = back_to_back(args)
     result = {
         "case": args.case, "layers": args.layers or "all", "seq": args.seq, "batch": args.batch,
         "remat": args.remat, "attention": args.attention, "loop_tokens_per_s": loop_rate,
         "back_to_back_tokens_per_s": ref.get("tokens_per_s"),
         "back_to_back_step_ms": ref.get("step_ms"), "mfu_back_to_back": ref.get("mfu"),
-        "loop_over_back_to_back": loop_rate / ref["tokens_per_s"] if "tokens_per_s" in ref else None,
+        "loop_over_back_to_back": ratio,
         "warm_restart_s_to_step_1": to_step_1,
         "cold_s_to_first_log": first["seconds_to_step"].get(args.log_every),
         "bench_compile_s": ref.get("compile_s"), "windows": first["rates"],
     }  # fmt: skip
-    print(f"back to back: {ref.get('step_ms', float('nan')):.1f} ms a step, "
-          f"{ref.get('tokens_per_s', float('nan')):,.0f} tokens/s (compile {ref.get('compile_s', 0):.0f} s)\n"
-          f"posttrain run / back to back: {result['loop_over_back_to_back']:.3f} "
-          f"(steady {loop_rate:,.0f} tokens/s)", flush=True)  # fmt: skip
     if args.json:
         with args.json.open("a") as f:
             f.write(json.dumps(result) + "\n")

@@ -154,6 +154,53 @@ def test_a_log_step_is_read_once_the_next_step_is_queued(model_dir, tmp_path, mo
     assert sorted(tb["train/tokens_per_second"]) == [2, 4, 6, 8]
 
 
+def test_a_report_waits_for_nothing_queued_behind_its_step(model_dir, tmp_path, monkeypatch):
+    """A log step's report reads that step's outputs and computes nothing on the device:
+    an eager computation there (the learning rate from the optax schedule, before) queues
+    behind the step dispatched after it and holds the host until the device has finished
+    that too, so the device idles until the host has logged and dispatched again. Here a
+    second of work is queued behind steps 3 and 7, whose dispatch the reports of log
+    steps 2 and 6 follow: the host must reach the next dispatch without waiting for it."""
+    import jax.numpy as jnp
+
+    from posttrain.trainer import loop, sft
+
+    busy = jax.jit(lambda x: jnp.tanh(x @ x @ x @ x).sum())
+    x = jnp.ones((2400, 2400))
+    busy(x).block_until_ready()
+    started = time.monotonic()
+    busy(x).block_until_ready()
+    seconds = time.monotonic() - started
+    queued, dispatched_at, reported_at = [], [], []
+    make_step = sft.make_train_step
+
+    def busy_step(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def stepped(*a, **k):
+            dispatched_at.append(time.monotonic())
+            out = step(*a, **k)
+            if len(dispatched_at) in (3, 7):
+                queued.append(busy(x))
+            return out
+
+        return stepped
+
+    close = loop.Window.close
+
+    def timed_close(self, loss, end=None):
+        value = close(self, loss, end)
+        reported_at.append((len(dispatched_at), time.monotonic()))
+        return value
+
+    monkeypatch.setattr(sft, "make_train_step", busy_step)
+    monkeypatch.setattr(loop.Window, "close", timed_close)
+    run_job(job_doc(model_dir, tmp_path / "out", steps=8, every=4))
+    for after, at in reported_at[::2]:  # steps 2 and 6, read after steps 3 and 7's dispatch
+        assert after in (3, 7)
+        assert dispatched_at[after] - at < seconds / 2, (dispatched_at[after] - at, seconds)
+
+
 def test_goodput_of_an_uninterrupted_run(reference):
     out, result = reference
     summary = json.loads((out / "summary.json").read_text())["goodput"]

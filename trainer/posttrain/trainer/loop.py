@@ -322,7 +322,7 @@ def run_steps(
     clock = goodput.Clock(ledger, time.monotonic, compile_seconds, started=started[0])
     model, wrt = policy.model, policy.wrt
     is_main = jax.process_index() == 0
-    schedule = optim.learning_rate_schedule(spec.training)
+    learning_rates = optim.learning_rates(spec.training)
     checkpoints = Checkpoints(
         storage.join(spec.output.uri, "checkpoints"),
         spec.checkpoint.keep,
@@ -372,7 +372,7 @@ def run_steps(
         loss_value, tokens_per_second = window.close(loss, end)
         metrics = {
             "loss": loss_value,
-            "learning_rate": float(schedule(step_number - 1)),
+            "learning_rate": float(learning_rates[step_number - 1]),
             **{k: float(v) for k, v in out.items()},
             "tokens_per_second": tokens_per_second,
             **{f"data/{k}": v for k, v in loader.metrics().items()},

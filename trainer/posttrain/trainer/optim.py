@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -29,6 +30,14 @@ def learning_rate_schedule(t: TrainingSpec) -> optax.Schedule:
         return decay
     warmup = optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
     return optax.join_schedules([warmup, decay], [t.warmup_steps])
+
+
+def learning_rates(t: TrainingSpec) -> np.ndarray:
+    """The schedule's value before each step (index = steps done), computed once on the
+    device before training: evaluated at a log step instead, it would queue behind the
+    steps in flight and hold the host until they finished, leaving the device idle."""
+    steps = jnp.arange(t.steps, dtype=jnp.int32)
+    return np.asarray(jax.jit(jax.vmap(learning_rate_schedule(t)))(steps))
 
 
 def optimizer(t: TrainingSpec) -> optax.GradientTransformation:
