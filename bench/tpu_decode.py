@@ -10,9 +10,15 @@ half of it. The time counts the prefill in (a forward over the prompts, small be
 512 decode steps), so the rate is a lower bound on the decode's own. Both are printed, with the KV cache's full size (a sampler that reads the
 whole cache every step, padding included, is bound by that instead).
 
+``--attention both`` (the default) times the decode twice in one process: with Tunix's
+dense attention, which reads the whole cache every step, and with posttrain's attention
+installed (``models.attention``: a decode step reads only the cache's filled slots, in a
+few static lengths), and prints the ratio.
+
     python bench/tpu_decode.py                           # Qwen3-0.6B, 64 x 512, LoRA r16
     python bench/tpu_decode.py --sequences 64 --new-tokens 512 --prompt 64 --lora 0
     python bench/tpu_decode.py --layers 2 --new-tokens 16  # a quick check, any backend
+    python bench/tpu_decode.py --attention flash         # posttrain's decode attention only
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def bytes_per_decode_step(info, params_bytes: int, sequences: int, context: floa
             "kv_per_token": kv_per_token}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> list[dict]:
     import jax
     import memory
     import numpy as np
@@ -53,6 +59,7 @@ def run(args: argparse.Namespace) -> dict:
     from tunix.rl.rollout import base_rollout
 
     from posttrain.trainer import models
+    from posttrain.trainer.models import attention
     from posttrain.trainer.sampler_memory import StubTokenizer
 
     device = jax.devices()[0]
@@ -79,19 +86,33 @@ def run(args: argparse.Namespace) -> dict:
         # Every prompt is the same random ids; no token ends a sequence early (1 is the end).
         ids = np.random.default_rng(0).integers(3, info.vocab_size, args.prompt)
         tokenizer = StubTokenizer(ids.tolist())
-        sampler = tunix_sampler.Sampler(model, tokenizer, cache)
         prompts = [f"prompt {i}" for i in range(args.sequences)]
+        # posttrain's attention on this platform (the kernel serves training calls; what
+        # matters here is the decode step every installed kernel shares)
+        flash = "splash" if device.platform == "tpu" else "xla"
+        kernels = {"dense": ["dense"], "flash": [flash], "both": ["dense", flash]}
+        results = []
+        for kernel in kernels[args.attention]:
+            attention.install(model, kernel)
+            sampler = tunix_sampler.Sampler(model, tokenizer, cache)
 
-        def sample(new_tokens: int):
-            start = time.perf_counter()
-            out = sampler(prompts, max_generation_steps=new_tokens,
-                          max_prompt_length=args.prompt, temperature=1.0, seed=0,
-                          eos_tokens=[tokenizer.eos_id()])  # fmt: skip
-            jax.block_until_ready(out.tokens)
-            return time.perf_counter() - start, sum(len(t) for t in out.tokens)
+            def sample(sampler, new_tokens: int):
+                start = time.perf_counter()
+                out = sampler(prompts, max_generation_steps=new_tokens,
+                              max_prompt_length=args.prompt, temperature=1.0, seed=0,
+                              eos_tokens=[tokenizer.eos_id()])  # fmt: skip
+                jax.block_until_ready(out.tokens)
+                return time.perf_counter() - start, sum(len(t) for t in out.tokens)
 
-        compile_s, _ = sample(args.new_tokens)  # prefill and decode compile
-        decode_s, tokens = sample(args.new_tokens)
+            compile_s, _ = sample(sampler, args.new_tokens)  # prefill and decode compile
+            decode_s, tokens = sample(sampler, args.new_tokens)
+            results.append(figures(args, info, params_bytes, device, kernel, compile_s,
+                                   decode_s, tokens))  # fmt: skip
+            print(show(results[-1]), flush=True)
+    return results
+
+
+def figures(args, info, params_bytes, device, kernel, compile_s, decode_s, tokens) -> dict:
     # The prefill (one forward over the prompts) is counted in: a bound on the decode alone.
     steps = args.new_tokens
     step_s = decode_s / steps
@@ -104,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     out = {
         "model": args.model, "layers": info.num_layers, "lora": args.lora,
         "sequences": args.sequences, "prompt": args.prompt, "new_tokens": args.new_tokens,
-        "device": device.device_kind, "first_call_s": compile_s,
+        "device": device.device_kind, "attention": kernel, "first_call_s": compile_s,
         "decode_s": decode_s, "tokens": tokens, "decode_step_ms": 1e3 * step_s,
         "decode_tokens_per_s": args.sequences * steps / decode_s,
         "weights_gib": need["weights"] / GIB, "kv_mean_gib": need["kv"] / GIB,
@@ -123,7 +144,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def show(r: dict) -> str:
-    line = (f"{r['model']} ({r['layers']} layers, LoRA {r['lora'] or 'none'}) on {r['device']}: "
+    line = (f"{r['model']} ({r['layers']} layers, LoRA {r['lora'] or 'none'}) on {r['device']}, "
+            f"attention {r['attention']}: "
             f"{r['sequences']} sequences x {r['new_tokens']} new tokens after {r['prompt']}\n"
             f"  first call {r['first_call_s']:.1f} s; then {r['tokens']:,} tokens in "
             f"{r['decode_s']:.2f} s (prefill included): {r['decode_step_ms']:.2f} ms a step, "
@@ -145,13 +167,18 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--json", type=Path, help="append the result as a JSON line here")
+    parser.add_argument("--attention", choices=["both", "dense", "flash"], default="both")
+    parser.add_argument("--json", type=Path, help="append each result as a JSON line here")
     args = parser.parse_args()
-    result = run(args)
-    print(show(result), flush=True)
+    results = run(args)
+    if len(results) == 2:
+        dense, flash = results
+        print(f"decode step, posttrain's attention / Tunix's dense: "
+              f"{flash['decode_step_ms'] / dense['decode_step_ms']:.3f} "
+              f"({flash['decode_step_ms']:.2f} ms against {dense['decode_step_ms']:.2f} ms)")  # fmt: skip
     if args.json:
         with args.json.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in results)
     return 0
 
 

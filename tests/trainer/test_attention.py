@@ -109,6 +109,55 @@ def test_dense_masks_and_kv_cache_keep_tunix_path() -> None:
     np.testing.assert_array_equal(models.forward(flash, ids), models.forward(dense, ids))
 
 
+def test_decode_lengths_cover_the_cache_in_few_static_lengths() -> None:
+    assert attention.decode_lengths(64) == [64]
+    assert attention.decode_lengths(140) == [128, 140]
+    assert attention.decode_lengths(576) == [128, 256, 384, 512, 576]
+    lengths = attention.decode_lengths(32768)
+    assert len(lengths) == attention.DECODE_BUCKETS and lengths[-1] == 32768
+    assert all(n % 128 == 0 for n in lengths)
+
+
+def test_decode_attention_over_the_filled_slots_is_attention_over_the_cache() -> None:
+    """Each decode length (and a cache that wrapped: every slot filled) gives what the
+    query over the whole masked cache gives; slots past the filled ones hold garbage that
+    must not be read."""
+    b, size, heads, kv, h = 3, 300, 4, 2, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, 1, heads, h))
+    k = jax.random.normal(keys[1], (b, size, kv, h))
+    v = jax.random.normal(keys[2], (b, size, kv, h))
+    slots = jnp.arange(size)
+    decode = jax.jit(attention.decode_attend)
+    for filled in (1, 127, 128, 129, 256, 299, 300, 301 + size):
+        mask = jnp.broadcast_to(slots < min(filled, size), (b, 1, size))
+        # a row whose prompt was padded (a step's own new slot is always visible)
+        mask = mask.at[1, 0, : min(2, filled - 1)].set(False)
+        garbage = jnp.where(slots[None, :, None, None] < filled, k, 1e30)
+        want = attention._masked(q, k, v, mask)
+        got = decode(q, garbage, v, mask, filled)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fixture", ["llama3", "qwen3"])
+def test_decoding_with_a_kernel_reads_the_filled_cache_with_the_same_tokens(fixture) -> None:
+    """A decode step of a model with a kernel installed attends over the cache's filled
+    slots (``decode_attend``): greedy tokens and logits as Tunix's dense decode, across
+    the 128-slot boundary of a 140-slot cache."""
+    dense, info = load(fixture)
+    flash, _ = load(fixture, "splash_interpret")
+    prompt = np.asarray(packed_batch(info.vocab_size)["input_ids"])[1, :120].tolist()
+    want = models.greedy_generate(dense, None, prompt, 20)
+    got = models.greedy_generate(flash, None, prompt, 20)
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 20
+    calls = []
+    decode_attend = attention.decode_attend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "decode_attend", lambda *a: calls.append(1) or decode_attend(*a))
+        models.greedy_generate(flash, None, prompt, 3)
+    assert calls  # traced by each layer's decode step
+
+
 def test_kernel_survives_lora_and_views() -> None:
     """apply_lora, compute_view and without_remat keep the installed kernel, and a LoRA
     model's loss with splash equals its dense loss."""

@@ -21,9 +21,12 @@ What selects the path is what the step passes in the attention-mask slot of the 
 call: ``[B, L]`` int32 segment ids (0 = padding, 1..n = the packed example; from
 ``attention_input``) run the kernel, a ``[B, L, L']`` mask or a KV cache (prefill and
 decode in generation, GRPO's sampler, Tunix's RL log-probabilities) runs Tunix's dense
-code unchanged. A padding token (segment 0) attends to the padding before it rather than
-to itself alone as in the dense mask; no real token sees padding either way, and the loss
-never counts a padding position, so losses are the same.
+code, except a Llama 3 or Qwen3 decode step (one new token a sequence): Tunix's attends
+over every slot of the cache, masked, so its cost is the cache's full size from the first
+new token on; ``decode_attend`` reads only the slots filled so far, in one of a few static
+lengths (``decode_lengths``), for the same result. A padding token (segment 0) attends to
+the padding before it rather than to itself alone as in the dense mask; no real token sees
+padding either way, and the loss never counts a padding position, so losses are the same.
 
 Where a kernel cannot take a shape (a length that is no multiple of 128 for splash, a
 float32 run or soft-capping for cuDNN) the layer computes the same masked attention with
@@ -192,15 +195,20 @@ def attend(
 
 def reference(q, k, v, segment_ids, *, window=None, soft_cap=None) -> jax.Array:
     """``attend`` in plain jnp (the scores materialised), float32 softmax."""
+    return _masked(q, k, v, _mask(segment_ids, window), soft_cap)
+
+
+def _masked(q, k, v, mask, soft_cap=None) -> jax.Array:
+    """Softmax attention of [B, T, N, H] queries over [B, S, K, H] keys and values where
+    ``mask`` [B, T, S] allows; the scores in float32."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, n // kv, h)
     logits = jnp.einsum("btkgh,bskh->bkgts", qg, k).astype(jnp.float32)
     if soft_cap is not None:
         logits = jnp.tanh(logits / soft_cap) * soft_cap
-    mask = _mask(segment_ids, window)[:, None, None]
-    probs = jax.nn.softmax(jnp.where(mask, logits, NEG_INF), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], logits, NEG_INF), axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
     return out.reshape(b, t, n, h)
 
 
@@ -212,6 +220,34 @@ def _mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
     return allowed[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+# A decode step's keys: the cache's first slots, in at most DECODE_BUCKETS static lengths
+# (multiples of 128), so a step reads the filled part of the cache rather than all of it.
+DECODE_BUCKETS = 8
+
+
+def decode_lengths(size: int) -> list[int]:
+    """The static key lengths a decode step over a ``size``-slot cache chooses from."""
+    granule = max(128, -(-size // DECODE_BUCKETS // 128) * 128)
+    return [*range(granule, size, granule), size]
+
+
+def decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, filled: Any):
+    """One decode step's attention -> [B, 1, N, H]: the scaled query ``q`` [B, 1, N, H]
+    over the caches ``k``, ``v`` [B, S, K, H] where ``mask`` [B, 1, S] allows, reading only
+    the shortest of ``decode_lengths(S)`` that covers the ``filled`` first slots (the whole
+    cache when it wrapped). The keys left out are masked anyway: the result is Tunix's
+    dense step's, without reading the empty slots of the cache."""
+    lengths = decode_lengths(k.shape[1])
+
+    def over(n: int) -> Callable:
+        return lambda q, k, v, mask: _masked(q, k[:, :n], v[:, :n], mask[..., :n])
+
+    if len(lengths) == 1:
+        return over(lengths[0])(q, k, v, mask)
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(lengths), filled), len(lengths) - 1)
+    return jax.lax.switch(index, [over(n) for n in lengths], q, k, v, mask)
 
 
 def _block_size(length: int) -> int | None:
@@ -444,9 +480,26 @@ def _flash_class(base: type) -> type:
 
         def block(self, x, segment_pos, cache, attn_mask, *args, **kwargs):
             segments = _segment_ids(attn_mask, cache)
+            if segments is None and fast_decode and cache is not None and x.shape[1] == 1:
+                return decode_step(self, x, segment_pos, cache, attn_mask)
             if segments is None:
                 return tunix_block(self, x, segment_pos, cache, attn_mask, *args, **kwargs)
             return finish(self, *qkv(self, x, segment_pos), segments, x)
+
+    def decode_step(self, x, positions, cache, attn_mask):
+        """Tunix's decode step (the new key and value written at the cache's end index,
+        the query attending to the cache) with ``decode_attend``."""
+        q, k, v = qkv(self, x, positions)
+        end = cache["end_index"][0]
+        at = (0, end % cache["v"].shape[1], 0, 0)
+        keys = jax.lax.dynamic_update_slice(cache["k"], k, at)
+        values = jax.lax.dynamic_update_slice(cache["v"], v, at)
+        out = decode_attend(q.astype(keys.dtype), keys, values, attn_mask, end + 1)
+        out = constrain(getattr(self, out_name)(out.astype(x.dtype)), self.shd_config.act_btd)
+        return {"v": values, "k": keys, "end_index": cache["end_index"] + 1}, out
+
+    # Gemma's decode steps (sliding windows, soft-capping) and Qwen2's stay Tunix's own.
+    fast_decode = issubclass(base, (llama3_lib.Attention, qwen3_lib.Attention))
 
     attrs = {"block": block, "posttrain_flash": True, "__module__": __name__}
     return type(base.__name__, (base,), attrs)
