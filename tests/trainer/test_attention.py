@@ -158,6 +158,30 @@ def test_decoding_with_a_kernel_reads_the_filled_cache_with_the_same_tokens(fixt
     assert calls  # traced by each layer's decode step
 
 
+def test_grpos_sampler_decodes_the_same_with_a_kernel_installed() -> None:
+    """Tunix's sampler (GRPO's rollouts; prompts left-padded to its prompt length) gives
+    the same greedy tokens through ``decode_attend``, across the 128-slot boundary."""
+    from tunix.generate import sampler as tunix_sampler
+    from tunix.rl.rollout import base_rollout
+
+    from posttrain.trainer.sampler_memory import StubTokenizer
+
+    outs = []
+    for kernel in ("dense", "splash_interpret"):
+        model, info = load("qwen3", kernel)
+        ids = np.asarray(packed_batch(info.vocab_size)["input_ids"])[1, 2:122] + 2
+        cache = base_rollout.CacheConfig(cache_size=150, num_layers=info.num_layers,
+                                         num_kv_heads=info.num_kv_heads,
+                                         head_dim=info.head_dim)  # fmt: skip
+        sampler = tunix_sampler.Sampler(model, StubTokenizer(ids.tolist()), cache)
+        out = sampler(["a", "b"], max_generation_steps=24, max_prompt_length=126,
+                      eos_tokens=[-1])  # fmt: skip
+        outs.append(out)
+    dense, flash = outs
+    assert [list(t) for t in flash.tokens] == [list(t) for t in dense.tokens]
+    assert len(dense.tokens[0]) == 24
+
+
 def test_kernel_survives_lora_and_views() -> None:
     """apply_lora, compute_view and without_remat keep the installed kernel, and a LoRA
     model's loss with splash equals its dense loss."""
