@@ -66,3 +66,18 @@ def test_bf16_loss_and_gradients_at_8k(fixture: str) -> None:
     (l_dense, n_dense), (l_flash, n_flash) = results["dense"], results["splash"]
     assert abs(l_flash - l_dense) <= 1e-2 * abs(l_dense), results
     assert abs(n_flash - n_dense) <= 2e-2 * n_dense, results
+
+
+@pytest.mark.parametrize("fixture", ["llama3", "qwen3"])
+def test_decode_over_the_filled_cache_gives_dense_tokens(fixture: str) -> None:
+    """float32, highest: a decode step with splash installed reads the cache's filled
+    slots (attention.decode_attend, in its static lengths, a conditional on the chip) and
+    gives Tunix's dense decode's greedy tokens across the 128-slot boundary."""
+    with jax.default_matmul_precision("highest"):
+        tokens = {}
+        for kernel in ("dense", "splash"):
+            model, info = models.load_model(FIXTURES / fixture, dtype=jnp.float32, attention=kernel)
+            prompt = np.asarray(packed_batch(info.vocab_size, ((120,),), 128)["input_ids"])
+            tokens[kernel] = models.greedy_generate(model, None, prompt[0, :120].tolist(), 20)
+        assert tokens["splash"].token_ids == tokens["dense"].token_ids
+        assert len(tokens["dense"].token_ids) == 20
