@@ -201,6 +201,28 @@ def test_a_report_waits_for_nothing_queued_behind_its_step(model_dir, tmp_path, 
         assert dispatched_at[after] - at < seconds / 2, (dispatched_at[after] - at, seconds)
 
 
+def test_what_exists_at_the_first_step_is_frozen_for_the_run(model_dir, tmp_path, monkeypatch):
+    """From the first step's dispatch on, everything made before (the model, the compiled
+    step, the modules) is out of the collector's reach (gc.freeze): a full collection
+    walked it all, 0.4-0.6 s of host time every ~8 steps on the chip. Unfrozen after."""
+    import gc
+
+    from posttrain.trainer import sft
+
+    frozen = []
+    make_step = sft.make_train_step
+
+    def watched(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+        return lambda *a, **k: frozen.append(gc.get_freeze_count()) or step(*a, **k)
+
+    monkeypatch.setattr(sft, "make_train_step", watched)
+    gc.unfreeze()
+    run_job(job_doc(model_dir, tmp_path / "out", steps=3, every=3))
+    assert frozen[0] == 0 and min(frozen[1:]) > 10_000, frozen
+    assert gc.get_freeze_count() == 0
+
+
 def test_goodput_of_an_uninterrupted_run(reference):
     out, result = reference
     summary = json.loads((out / "summary.json").read_text())["goodput"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import importlib
 import json
 import logging
@@ -399,8 +400,10 @@ def run_steps(
             result.step += 1
             if isinstance(stop, StopFlag) and not stop.stepping:
                 # The first step is compiled and dispatched: from here a signal checkpoints
-                # after the step (before, during the compile, it stops saving nothing).
+                # after it (before, it stops saving nothing). What exists now is frozen: no
+                # full collection walks it again (0.4-0.6 s every ~8 steps on the chip).
                 stop.training()
+                gc.freeze()
             in_flight.append(loss)
             if len(in_flight) > IN_FLIGHT:
                 jax.block_until_ready(in_flight.popleft())
@@ -437,12 +440,8 @@ def run_steps(
                 clock.charge("eval")
             if save_now:
                 progress.phase(f"checkpointing step {result.step}")
-                checkpoints.save(
-                    result.step,
-                    trainable_state(model, wrt, opt),
-                    loader.get_state(),
-                    {"loss": float(loss)},
-                )
+                checkpoints.save(result.step, trainable_state(model, wrt, opt),
+                                 loader.get_state(), {"loss": float(loss)})  # fmt: skip
                 progress.checkpointed(result.step)
                 tensorboard.sync()
                 ledger.checkpointed(result.step)
@@ -450,6 +449,7 @@ def run_steps(
                 _write_goodput(spec, ledger, is_main)
                 recorded = time.monotonic()
                 clock.charge("checkpoint")
+    gc.unfreeze()  # what the run held may go with it (several runs in one process: tests)
     if pending is not None:  # a stop between a log step and the next
         report(*pending)
     checkpoints.close()
