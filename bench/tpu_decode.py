@@ -91,19 +91,19 @@ def run(args: argparse.Namespace) -> list[dict]:
         # matters here is the decode step every installed kernel shares)
         flash = "splash" if device.platform == "tpu" else "xla"
         kernels = {"dense": ["dense"], "flash": [flash], "both": ["dense", flash]}
+
+        def sample(sampler, new_tokens: int):
+            start = time.perf_counter()
+            out = sampler(prompts, max_generation_steps=new_tokens,
+                          max_prompt_length=args.prompt, temperature=1.0, seed=0,
+                          eos_tokens=[tokenizer.eos_id()])  # fmt: skip
+            jax.block_until_ready(out.tokens)
+            return time.perf_counter() - start, sum(len(t) for t in out.tokens)
+
         results = []
         for kernel in kernels[args.attention]:
             attention.install(model, kernel)
             sampler = tunix_sampler.Sampler(model, tokenizer, cache)
-
-            def sample(sampler, new_tokens: int):
-                start = time.perf_counter()
-                out = sampler(prompts, max_generation_steps=new_tokens,
-                              max_prompt_length=args.prompt, temperature=1.0, seed=0,
-                              eos_tokens=[tokenizer.eos_id()])  # fmt: skip
-                jax.block_until_ready(out.tokens)
-                return time.perf_counter() - start, sum(len(t) for t in out.tokens)
-
             compile_s, _ = sample(sampler, args.new_tokens)  # prefill and decode compile
             decode_s, tokens = sample(sampler, args.new_tokens)
             results.append(figures(args, info, params_bytes, device, kernel, compile_s,

@@ -229,7 +229,7 @@ DECODE_BUCKETS = 8
 
 def decode_lengths(size: int) -> list[int]:
     """The static key lengths a decode step over a ``size``-slot cache chooses from."""
-    granule = max(128, -(-size // DECODE_BUCKETS // 128) * 128)
+    granule = 128 * math.ceil(size / (128 * DECODE_BUCKETS))
     return [*range(granule, size, granule), size]
 
 
