@@ -10,7 +10,9 @@ optimizer donated) and prints:
 - compile seconds, step milliseconds, tokens/s;
 - MFU = tokens/s x (6 N + 12 layers x heads x head_dim x seq) / peak FLOP/s (N: every
   parameter, embeddings once; the same formula for LoRA, as the field quotes it);
-- the compiler's peak (memory_analysis: arguments + temporaries + outputs - aliased) and
+- the compiled program's size (as the persistent compilation cache stores it);
+- the compiler's peak (memory_analysis: arguments + temporaries + outputs - aliased, and
+  its own ``peak_memory_in_bytes``) and
   the runtime's peak (``peak_bytes_in_use`` + ``peak_bytes_reserved``, the programs'
   temporaries being reserved apart; each case runs in a process of its own);
 - the ratio to the reference: ``jax.jit`` over the model's pure state (params, optimizer
@@ -19,6 +21,7 @@ optimizer donated) and prints:
     python bench/tpu.py                                  # the default table
     python bench/tpu.py --case qwen3-0.6b-lora --batch 4 --remat dots
     python bench/tpu.py --case qwen3-0.6b-full --seq 2048 --batch 1 2 4 --remat layer dots
+    python bench/tpu.py --case qwen3-0.6b-lora --layer-loop unroll scan   # spec.training.layerLoop
 
 Without an accelerator it compiles for a v5e chip with libtpu's compile-only client
 (``posttrain[tpu-compile]``) and prints the compiler's memory and FLOPs only.
@@ -83,7 +86,13 @@ def _sharding_tree(state, mesh):
 
 
 def random_model(
-    model_dir: Path, mesh, lora_rank: int | None, remat: str, attention: str, compile_only: bool
+    model_dir: Path,
+    mesh,
+    lora_rank: int | None,
+    remat: str,
+    attention: str,
+    compile_only: bool,
+    layer_loop: str = "unroll",
 ):
     """The model at model_dir's config.json shape: random weights made on the devices (norm
     scales 1, the rest N(0, 0.02)), or abstract ones (compile-only devices)."""
@@ -127,6 +136,10 @@ def random_model(
         model = lora.apply_lora(model, lora_rank, 2.0 * lora_rank, None, mesh,
                                 abstract=compile_only)  # fmt: skip
         wrt = nnx.LoRAParam
+    if layer_loop == "scan":
+        from posttrain.trainer.models import scan
+
+        scan.stack(model)
     return model, info, wrt
 
 
@@ -222,10 +235,17 @@ def run_case(args: argparse.Namespace) -> dict:
         config["num_hidden_layers"] = args.layers
         (tmp / model_name / "config.json").write_text(json.dumps(config))
     out: dict = {"case": args.case, "seq": args.seq, "batch": args.batch, "remat": args.remat,
-                 "attention": args.attention, "device": devices[0].device_kind}  # fmt: skip
+                 "attention": args.attention, "layer_loop": args.layer_loop,
+                 "device": devices[0].device_kind}  # fmt: skip
     with jax.set_mesh(mesh):
         model, info, wrt = random_model(
-            tmp / model_name, mesh, rank, args.remat, args.attention, compile_only
+            tmp / model_name,
+            mesh,
+            rank,
+            args.remat,
+            args.attention,
+            compile_only,
+            args.layer_loop,
         )
         training = TrainingSpec(batch_size=args.batch, steps=1000)
         if compile_only:
@@ -241,10 +261,14 @@ def run_case(args: argparse.Namespace) -> dict:
         compiled = step.lower(model, opt, batch).compile()
         out["compile_s"] = time.perf_counter() - start
         say(t0, f"compiled in {out['compile_s']:.0f} s")
+        out["executable_mb"] = executable_bytes(compiled) / 1e6
         m = compiled.memory_analysis()
         peak = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
         out["compiler_peak_gib"] = (peak - m.alias_size_in_bytes) / GIB
         out["temp_gib"] = m.temp_size_in_bytes / GIB
+        # the compiler's own peak; on a TPU the temporaries above count a scanned step's
+        # loop buffers more than once (tests/trainer/test_scan.py, the user guide's Resume)
+        out["own_peak_gib"] = getattr(m, "peak_memory_in_bytes", 0) / GIB
         cost = compiled.cost_analysis() or {}
         out["compiler_tflop"] = float(cost.get("flops", 0.0)) / 1e12
         flops_per_token = model_flops_per_token(info, args.seq)
@@ -281,6 +305,11 @@ def run_case(args: argparse.Namespace) -> dict:
     return out
 
 
+def executable_bytes(compiled) -> int:
+    """The size of the compiled program as the persistent compilation cache stores it."""
+    return len(compiled.runtime_executable().serialize())
+
+
 def compile_only_devices(topology: str) -> list:
     """libtpu's compile-only devices of a one-host TPU topology (`v5e:1x1`: one v5e chip),
     as `posttrain estimate --compile` makes them (no chip claimed)."""
@@ -300,8 +329,9 @@ def show(r: dict) -> str:
             f"{r['case']:<18} seq {r['seq']:>5} batch {r['batch']:>2} {r['remat']:<5} {r['error']}"
         )
     line = (f"{r['case']:<18} seq {r['seq']:>5} batch {r['batch']:>2} {r['remat']:<5} "
-            f"{r.get('attention', ''):<5} "
-            f"compile {r['compile_s']:5.0f} s  compiler peak {r['compiler_peak_gib']:5.2f} GiB")  # fmt: skip
+            f"{r.get('attention', ''):<5} {r.get('layer_loop', ''):<6} "
+            f"compile {r['compile_s']:5.0f} s ({r.get('executable_mb', 0):.0f} MB)  compiler peak {r['compiler_peak_gib']:5.2f} GiB "
+            f"(own {r.get('own_peak_gib', 0):5.2f})")  # fmt: skip
     if "step_ms" not in r:
         return line + f"  compiler {r['compiler_tflop']:.1f} TFLOP (model {r['model_tflop']:.1f})"
     line += (f"  runtime peak {r['runtime_peak_gib']:5.2f} GiB  step {r['step_ms']:6.1f} ms  "
@@ -319,6 +349,7 @@ def main() -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[2])
     parser.add_argument("--remat", nargs="+", default=["layer"])
     parser.add_argument("--attention", nargs="+", default=["flash"], help="flash, dense")
+    parser.add_argument("--layer-loop", nargs="+", default=["unroll"], help="unroll, scan")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=0, help="fewer layers (a quick check)")
     parser.add_argument("--no-reference", dest="reference", action="store_false")
@@ -339,9 +370,11 @@ def main() -> int:
                       "remat": args.remat, "error": f"{type(e).__name__}: {msg}"}  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    grid = itertools.product(args.case, args.seq, args.batch, args.remat, args.attention)
-    for case, seq, batch, remat, attention in grid:
-        child = {"case": case, "seq": seq, "batch": batch, "remat": remat, "attention": attention}
+    grid = itertools.product(args.case, args.seq, args.batch, args.remat, args.attention,
+                             args.layer_loop)  # fmt: skip
+    for case, seq, batch, remat, attention, layer_loop in grid:
+        child = {"case": case, "seq": seq, "batch": batch, "remat": remat,
+                 "attention": attention, "layer_loop": layer_loop}  # fmt: skip
         proc = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(child), "--steps", str(args.steps),
              "--layers", str(args.layers), "--topology", args.topology,

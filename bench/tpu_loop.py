@@ -15,10 +15,11 @@ with the compilation cache warm (goal: within 60 s of process start).
    start to step 1 (its TensorBoard event), the program now in the compilation cache
    the first run wrote (as a pod restarted after a preemption finds it).
 4. bench/tpu.py's back-to-back timing of the same step (model, LoRA, batch, sequence,
-   remat, attention), in a process of its own.
+   remat, attention, layer loop), in a process of its own.
 
     python bench/tpu_loop.py                                    # Qwen3-0.6B LoRA r16
     python bench/tpu_loop.py --case qwen3-0.6b-full --layers 4 --steps 20
+    python bench/tpu_loop.py --layer-loop scan                  # the scanned step (its restart)
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
                      "logEverySteps": log_every, "remat": args.remat,
                      # a job file without spec.accelerator validates as a CPU job, where
                      # flash is refused: auto is flash on the accelerator it runs on
-                     "attention": "auto" if args.attention == "flash" else args.attention},
+                     "attention": "auto" if args.attention == "flash" else args.attention,
+                     "layerLoop": args.layer_loop},
         "checkpoint": {"everySteps": args.steps},
         "output": {"uri": str(out)},
     }  # fmt: skip
@@ -125,7 +127,7 @@ def posttrain_run(
 
 def back_to_back(args: argparse.Namespace) -> dict:
     child = {"case": args.case, "seq": args.seq, "batch": args.batch, "remat": args.remat,
-             "attention": args.attention}  # fmt: skip
+             "attention": args.attention, "layer_loop": args.layer_loop}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "tpu.py"), "--child", json.dumps(child),
          "--steps", "20", "--layers", str(args.layers), "--no-reference"],
@@ -147,6 +149,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--remat", default="dots")
     parser.add_argument("--attention", default="flash")
+    parser.add_argument("--layer-loop", default="unroll", help="spec.training.layerLoop")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--json", type=Path, help="append the result as a JSON line here")
@@ -197,7 +200,8 @@ def main() -> int:
                 break
     result = {
         "case": args.case, "layers": args.layers or "all", "seq": args.seq, "batch": args.batch,
-        "remat": args.remat, "attention": args.attention, "loop_tokens_per_s": loop_rate,
+        "remat": args.remat, "attention": args.attention, "layer_loop": args.layer_loop,
+        "loop_tokens_per_s": loop_rate,
         "windows_mean_tokens_per_s": sum(windows) / len(windows),
         "back_to_back_tokens_per_s": ref.get("tokens_per_s"),
         "back_to_back_step_ms": ref.get("step_ms"), "mfu_back_to_back": ref.get("mfu"),

@@ -522,6 +522,31 @@ CASES: list[Case] = [
         "auto",
     ),
     Case(
+        "layer-loop-unknown",
+        _set("spec.training", {"layerLoop": "vmap"}),
+        "spec.training.layerLoop",
+        "unroll",
+    ),
+    Case(
+        "layer-loop-scan-with-grpo",
+        _all(
+            _set("spec.technique", "grpo"),
+            _set("spec.grpo", {"rewards": [{"type": "exactAnswer"}]}),
+            _set("spec.training", {"layerLoop": "scan"}),
+        ),
+        "spec.training.layerLoop",
+        "not for grpo",
+    ),
+    Case(
+        "layer-loop-scan-of-gemma",
+        _all(
+            _set("spec.model", {"source": "/models/tiny", "family": "gemma3"}),
+            _set("spec.training", {"layerLoop": "scan"}),
+        ),
+        "spec.training.layerLoop",
+        "layers alike",
+    ),
+    Case(
         "gpus-per-node-on-tpu",
         _set("spec.resources", {"accelerator": "v5p-8", "gpusPerNode": 4}),
         "spec.resources.gpusPerNode",

@@ -76,3 +76,19 @@ def test_gemma3_vision_lora_trains_on_the_tpu(tmp_path, monkeypatch, caplog):
     assert result.step == 4
     assert any("training on tpu" in r.getMessage() for r in caplog.records)
     assert result.export_dir and Path(result.export_dir).is_dir()
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_scanned_layers_train_the_unrolled_losses_on_the_tpu(models_dir, tmp_path, lora):
+    """spec.training.layerLoop: scan on the chip (splash attention, remat dots): the same
+    bfloat16 losses as unroll, to the precision of a float32 sum in another order."""
+    losses = {}
+    for loop in ("unroll", "scan"):
+        doc = tiny_job(models_dir / "student", CHAT, tmp_path / loop, lora=lora, steps=4,
+                       every=4, dtype="bfloat16",
+                       training={"layerLoop": loop, "remat": "dots", "logEverySteps": 1})  # fmt: skip
+        result = run_job(doc)
+        losses[loop] = [result.losses[s] for s in sorted(result.losses)]
+    assert len(losses["scan"]) == 4
+    for got, want in zip(losses["scan"], losses["unroll"], strict=True):
+        assert abs(got - want) <= 2e-3 * abs(want), losses

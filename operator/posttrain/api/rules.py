@@ -222,6 +222,20 @@ RULES: list[Rule] = [
         "training.attention flash needs a TPU or GPU accelerator (use auto or dense on cpu)",
     ),
     Rule(
+        "training.layerLoop",
+        "self.training.layerLoop != 'scan' || !has(self.grpo)",
+        lambda s: s.training.layer_loop != "scan" or s.grpo is None,
+        "training.layerLoop scan is not for grpo (its rollouts decode with a KV cache per "
+        "layer; use auto or unroll)",
+    ),
+    Rule(
+        "training.layerLoop",
+        "self.training.layerLoop != 'scan' || !(self.model.family in ['gemma2', 'gemma3'])",
+        lambda s: s.training.layer_loop != "scan" or s.model.family not in ("gemma2", "gemma3"),
+        "training.layerLoop scan needs layers alike (llama3, qwen2, qwen3); Gemma's "
+        "alternate local and global attention (use auto or unroll)",
+    ),
+    Rule(
         "resources.gpusPerNode",
         "!has(self.resources.gpusPerNode) || self.resources.accelerator.startsWith('nvidia-')",
         lambda s: (

@@ -275,6 +275,12 @@ class Attention(StrEnum):
     flash = "flash"
 
 
+class LayerLoop(StrEnum):
+    auto = "auto"
+    scan = "scan"
+    unroll = "unroll"
+
+
 class TrainingSpec(KubeModel):
     """Optimisation settings."""
 
@@ -307,6 +313,13 @@ class TrainingSpec(KubeModel):
     and Gemma's local layers to their sliding window; dense: the scores in full (the
     memory grows with the square of data.maxLength). auto: flash on TPUs and GPUs, dense
     on CPU. Decoding with a KV cache (generation, GRPO sampling) is always dense."""
+
+    layer_loop: LayerLoop = LayerLoop.auto
+    """How the decoder layers are compiled. scan: the layers' weights stacked and one layer
+    run in a loop over them, so the program holds one layer's code whatever the depth
+    (the compile and a restarted job's reload of the compiled step take a fraction of
+    unroll's; Llama 3, Qwen2 and Qwen3, not with grpo); unroll: every layer its own code.
+    auto: unroll."""
 
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
     """Peak learning rate."""

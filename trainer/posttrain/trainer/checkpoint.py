@@ -11,6 +11,9 @@ and the data iterator's position.
 - Works on local paths and gs://. On gs:// every host writes its own shards straight to
   the bucket (tensorstore) and Orbax marks a finished step with `commit_success.txt`
   (object stores have no atomic rename); a step without it is not a checkpoint.
+- A step's meta names the layout of its layers (`layers`: stacked when the job scanned
+  them, spec.training.layerLoop); a restore into the other layout converts, so a job
+  resumes whichever way the checkpoint was written.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from posttrain.trainer import storage
+from posttrain.trainer.models import scan
 
 log = logging.getLogger("posttrain.checkpoint")
 
@@ -68,6 +72,9 @@ class Checkpoints:
     def save(self, step: int, state: Any, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Start saving `state` (a pytree of arrays) at `step`; returns before it is on disk
         when asynchronous. Call `wait()` to block until it is committed."""
+        stacked = scan.layout_of(state)
+        if stacked is not None:
+            meta = {**meta, "layers": "stacked" if stacked else "per-layer"}
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -89,8 +96,17 @@ class Checkpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def meta(self, step: int) -> dict[str, Any]:
+        return dict(
+            self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        )
+
     def _restore(self, step: int, target: Any) -> Restored:
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+        wanted = scan.layout_of(abstract)
+        saved = self.meta(step).get("layers", "per-layer") == "stacked"
+        if wanted is not None and saved != wanted:  # written with the other layerLoop
+            abstract = scan.to_layout(abstract, saved)
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -99,7 +115,10 @@ class Checkpoints:
                 meta=ocp.args.JsonRestore(),
             ),
         )
-        return Restored(step, out["state"], dict(out["data"]), dict(out["meta"]))
+        state = out["state"]
+        if wanted is not None and saved != wanted:
+            state = scan.to_layout(state, wanted)
+        return Restored(step, state, dict(out["data"]), dict(out["meta"]))
 
     def restore(self, step: int, target: Any, field: str = "--step") -> Restored:
         """Checkpoint `step`, restored into the shapes/shardings of `target`; an error
@@ -173,9 +192,7 @@ class BestCheckpoint:
         self.value: float | None = None
         step = self.checkpoints.latest_step()
         if step is not None:
-            meta = self.checkpoints.manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            )["meta"]
+            meta = self.checkpoints.meta(step)
             self.step, self.value = step, float(meta["value"])
 
     def better(self, value: float) -> bool:

@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from posttrain.trainer import evaluate, loop, models, optim, sft, sources
-from posttrain.trainer.policy import DTYPES
+from posttrain.trainer.policy import DTYPES, apply_layer_loop
 
 
 def token_losses(
@@ -140,7 +140,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
             f"the student's {student.vocab_size}; the teacher must share the student's "
             "tokenizer"
         )
-    return teacher, info
+    return apply_layer_loop(spec, teacher, info.family), info
 
 
 def check(spec: Any) -> None:

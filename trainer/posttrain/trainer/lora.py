@@ -31,6 +31,7 @@ from tunix.models.qwen3 import model as qwen3_lib
 from posttrain.api import lora_modules
 from posttrain.api.patterns import compile_user_regex
 from posttrain.trainer import models
+from posttrain.trainer.models import scan
 
 TARGET_FIELD = "spec.lora.targetModules"
 
@@ -151,8 +152,8 @@ def resolve_targets(
 
 def lora_module_paths(model: nnx.Module) -> list[str]:
     """Sorted paths (``layers/0/attn/q_proj``) of the modules that carry LoRA params."""
-    flat = nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
-    return sorted({module_path(path[:-1]) for path, _ in flat})
+    flat = scan.flat_state(model, nnx.LoRAParam)
+    return sorted({module_path(path[:-1]) for path in flat})
 
 
 def apply_lora(

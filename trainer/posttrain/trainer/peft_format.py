@@ -25,6 +25,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from posttrain.trainer import lora, models
+from posttrain.trainer.models import scan
 
 RESTORE_FIELD = "spec.lora.restoreFrom"
 PEFT_PREFIX = "base_model.model."
@@ -63,7 +64,7 @@ def info_from_model(model: nnx.Module, hf_prefix: str = "model.") -> models.Mode
 
 
 def _lora_params(model: nnx.Module) -> dict[tuple, nnx.Variable]:
-    return dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    return scan.flat_state(model, nnx.LoRAParam)  # per-layer paths, scanned or not
 
 
 def _adapted_maps(model: nnx.Module, info: models.ModelInfo):

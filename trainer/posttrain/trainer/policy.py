@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.trainer import lora, models, peft_format, sources
-from posttrain.trainer.models import vision
+from posttrain.trainer.models import scan, vision
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -99,7 +99,16 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             )
             peft_format.load_peft_adapter(model, adapter, info)
         wrt = nnx.LoRAParam
+    apply_layer_loop(spec, model, info.family)
     return Policy(model, info, wrt, info.model_dir)
+
+
+def apply_layer_loop(spec: Any, model: nnx.Module, family: str) -> nnx.Module:
+    """spec.training.layerLoop on a loaded model (its adapters already on): scan stacks
+    its decoder layers (``models.scan``). Returns ``model``."""
+    if scan.resolve(str(spec.training.layer_loop), family) == "scan":
+        scan.stack(model)
+    return model
 
 
 def load_reference(spec: Any, policy: Policy, mesh: jax.sharding.Mesh) -> nnx.Module:
@@ -114,4 +123,4 @@ def load_reference(spec: Any, policy: Policy, mesh: jax.sharding.Mesh) -> nnx.Mo
         remat=spec.training.remat,
         attention=spec.training.attention,
     )
-    return model
+    return apply_layer_loop(spec, model, policy.info.family)

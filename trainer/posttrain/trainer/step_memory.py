@@ -26,7 +26,7 @@ from posttrain.api.spec import DpoSpec, PostTrainJobSpec
 from posttrain.trainer import compile_figures, models, optim
 from posttrain.trainer.mesh import AXES, BATCH_AXES
 from posttrain.trainer.models import attention as attention_lib
-from posttrain.trainer.policy import DTYPES
+from posttrain.trainer.policy import DTYPES, apply_layer_loop
 
 
 def peak_bytes(memory: dict[str, int]) -> int:
@@ -153,11 +153,13 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
                 abstract=True,
             )  # fmt: skip
             wrt = nnx.LoRAParam
+        apply_layer_loop(spec, model, info.family)
         opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, optim.optimizer(t), wrt=wrt), model)
         nnx.update(opt, _abstract(nnx.state(opt), mesh))
 
         def frozen() -> nnx.Module:
-            return _model(src, mesh, compute, compute, remat, layers, family, False, attention)[0]
+            ref = _model(src, mesh, compute, compute, remat, layers, family, False, attention)[0]
+            return apply_layer_loop(spec, ref, info.family)
 
         i32, n, length = jnp.int32, t.batch_size, spec.data.max_length
         sft_keys = ("input_ids", "loss_mask", "segment_ids", "positions")
@@ -171,9 +173,10 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
                 step, args = sft.make_train_step(wrt, t.gradient_accumulation), ()
             else:
                 d = spec.distill
-                teacher, _ = _model(d.teacher.source, mesh, DTYPES[d.teacher.dtype],
+                teacher, teacher_info = _model(d.teacher.source, mesh, DTYPES[d.teacher.dtype],
                                  DTYPES[d.teacher.dtype], remat, d.teacher.layers,
                                  d.teacher.family, False, attention)  # fmt: skip
+                apply_layer_loop(spec, teacher, teacher_info.family)
                 step = distill.make_train_step(
                     wrt, float(d.temperature), float(d.alpha), t.gradient_accumulation
                 )

@@ -118,7 +118,8 @@ def install(model: nnx.Module, kernel: str) -> nnx.Module:
     segment ids; ``dense`` puts Tunix's own layers back. Returns ``model``."""
     if kernel not in KERNELS + TEST_KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is not one of {KERNELS + TEST_KERNELS}")
-    for layer in model.layers:
+    stacked = getattr(model.layers, "stacked", None)  # models.scan's one stacked layer
+    for layer in [stacked] if stacked is not None else model.layers:
         attn = layer.attn
         base = type(attn).__bases__[0] if _is_flash(type(attn)) else type(attn)
         if kernel == "dense":

@@ -12,6 +12,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from posttrain.trainer.models import scan
+
 
 def causal_mask(input_mask: jax.Array) -> jax.Array:
     """[B, T] padding mask -> [B, T, T] causal attention mask."""
@@ -93,6 +95,8 @@ def init_cache(model: nnx.Module, batch_size: int, cache_size: int, dtype: Any =
     if dtype is None:
         dtype = model.embedder.input_embedding.get_value().dtype
     shape = (batch_size, cache_size, cfg.num_kv_heads, cfg.head_dim)
+    if scan.is_stacked(model):
+        return scan.init_cache(cfg.num_layers, shape, batch_size, dtype)
     return {
         f"layer_{i}": {
             "k": jnp.zeros(shape, dtype),

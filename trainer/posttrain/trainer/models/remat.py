@@ -58,4 +58,5 @@ def apply_policy(model: nnx.Module, name: str) -> None:
 def policy_of(model: nnx.Module) -> str | None:
     """The remat policy ``apply_policy`` gave ``model``'s layers, if any."""
     layers = getattr(model, "layers", None)
-    return getattr(type(layers[0]), "posttrain_remat_policy", None) if layers else None
+    first = getattr(layers, "stacked", None) or (layers[0] if layers else None)  # scan's
+    return getattr(type(first), "posttrain_remat_policy", None)

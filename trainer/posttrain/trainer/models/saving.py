@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.trainer import peft_format
+from posttrain.trainer.models import scan
 from posttrain.trainer.models.config import ModelInfo
 from posttrain.trainer.models.families import HF_ARCH_OUT
 from posttrain.trainer.models.params import param_maps
@@ -72,7 +73,7 @@ def hf_state(
     (``model.language_model...``, ``model.vision_tower.vision_model...``).
     """
     info = export_layout(info)
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = scan.flat_state(model, nnx.Param)  # per-layer paths, scanned or not
     deltas = peft_format.merged_deltas(model, info)
     for m in param_maps(info):
         var = flat[m.path]
