@@ -13,6 +13,7 @@ Families: ``llama3``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3`` (``auto`` rea
 - ``generation``: the forward pass and greedy generation;
 - ``attention``: flash attention kernels (splash on TPU, cuDNN on GPU) for training;
 - ``remat``: decoder-layer remat that keeps the matmul outputs (``spec.training.remat: dots``);
+- ``scan``: the decoder layers stacked and run by one ``lax.scan`` (``spec.training.layerLoop``);
 - ``head``: the vocabulary projection over only the last positions (completions' log-probs);
 - ``saving``: a model (LoRA merged in) back to a HF checkpoint.
 
