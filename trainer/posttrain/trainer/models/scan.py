@@ -149,8 +149,8 @@ def _stacker(sharding: Any) -> Any:
 
 def stack(model: nnx.Module) -> nnx.Module:
     """Replaces ``model.layers`` (in place) by a ``StackedLayers`` of the same layers;
-    returns ``model``. Each parameter is stacked in turn, and each layer's values are
-    dropped as soon as they are, so at most one parameter's layers exist twice."""
+    returns ``model``. Until the list is dropped the layers' weights exist twice, once
+    stacked (a transient of the load, below a train step's own peak)."""
     if is_stacked(model):
         return model
     layers = list(model.layers)
@@ -158,18 +158,16 @@ def stack(model: nnx.Module) -> nnx.Module:
     split = [nnx.split(layer) for layer in layers]
     graphdef = split[0][0]
     if any(g != graphdef for g, _ in split[1:]):
-        raise ValueError(f"{FIELD}: scan, but this model's decoder layers differ; use unroll")
+        raise ValueError(
+            f"{FIELD}: scan, but this model's decoder layers differ (spec.lora.targetModules "
+            "adapting only some of them?); use unroll"
+        )
     flats = [dict(nnx.to_flat_state(state)) for _, state in split]
-    del split, layers
     stacked = {}
-    for path in list(flats[0]):
-        variables = [flat.pop(path) for flat in flats]
-        first = variables[0]
-        value = _stacked_value([v.get_value() for v in variables])
-        del variables
+    for path, first in flats[0].items():
+        value = _stacked_value([flat[path].get_value() for flat in flats])
         stacked[path] = first.copy(value, **_stacked_spec(first))
-    count = len(flats)
-    model.layers = StackedLayers(nnx.merge(graphdef, nnx.from_flat_state(stacked)), count)
+    model.layers = StackedLayers(nnx.merge(graphdef, nnx.from_flat_state(stacked)), len(layers))
     return model
 
 
