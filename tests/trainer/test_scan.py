@@ -198,3 +198,11 @@ def test_a_job_resumes_from_a_checkpoint_of_the_other_layer_loop(llama, tmp_path
     for key, value in straight.items():
         np.testing.assert_allclose(again[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
     assert not list(out.rglob("*.unreadable")), "a checkpoint was set aside"
+
+
+def test_layers_that_differ_are_refused_by_the_field():
+    """LoRA on only the first layer: the layers are no longer alike, and scan says so."""
+    model, _ = models.load_model(FIXTURES / "qwen3", dtype=jnp.float32)
+    model = lora.apply_lora(model, 4, 8.0, r"layers/0/attn/q_proj")
+    with pytest.raises(ValueError, match=r"spec\.training\.layerLoop: scan, .*targetModules"):
+        scan.stack(model)
