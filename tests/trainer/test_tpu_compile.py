@@ -278,3 +278,32 @@ def test_the_preflight_compiles_a_gcs_model_from_its_config_alone(tmp_path, caps
             "spec.model.source: cannot read config.json of gs://ptmodels/missing"
             in (answer["error"])
         )
+
+
+def test_a_scanned_steps_temporaries_are_the_compilers_own_count():
+    from posttrain.trainer.tpu_compile import scanned_memory
+
+    counted = {"argument": 10, "output": 4, "alias": 4, "temp": 100, "peak": 60}
+    assert scanned_memory(counted) == {**counted, "temp": 50}  # own peak less what is held
+    assert scanned_memory({**counted, "peak": 0}) == {**counted, "peak": 0}  # none given
+    assert scanned_memory({**counted, "peak": 200}) == {**counted, "peak": 200}  # larger
+
+
+@needs_libtpu
+def test_a_scanned_step_is_held_to_the_tpu_compilers_own_peak(tmp_path, capsys):
+    """spec.training.layerLoop: scan, compiled for a v5e: memory_analysis()'s temporaries
+    count the layer loop's stacked buffers more than once; the estimate's total is the
+    compiler's own peak, below the unrolled step's total, and says so."""
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps({**QWEN3, "num_hidden_layers": 8}))
+    totals = {}
+    for loop in ("unroll", "scan"):
+        doc = _doc(tmp_path / "qwen3", "v5e-1", lora={"rank": 8},
+                   training={"remat": "dots", "layerLoop": loop})  # fmt: skip
+        assert cli.main(["estimate", "--compile", _job_file(tmp_path, doc)]) == 0
+        out = capsys.readouterr().out
+        (total,) = [line for line in out.splitlines() if line.startswith("  total")]
+        totals[loop] = float(total.split()[1])
+        scanned = "the compiler's own count for the scanned layers" in out
+        assert scanned == (loop == "scan"), out
+    assert totals["scan"] < totals["unroll"], totals

@@ -37,7 +37,8 @@ class Figures:
         self.memory, self.cost = memory, cost
 
     def memory_analysis(self) -> Any:
-        return SimpleNamespace(**{f"{k}_size_in_bytes": v for k, v in self.memory.items()})
+        figures = {f"{k}_size_in_bytes": v for k, v in self.memory.items() if k in _MEMORY}
+        return SimpleNamespace(**figures, peak_memory_in_bytes=self.memory.get("peak", 0))
 
     def cost_analysis(self) -> dict[str, float]:
         return dict(self.cost)
@@ -63,7 +64,8 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
     if isinstance(stored, dict) and "error" in stored:
         raise StoredRefusal(stored["error"])
     if isinstance(stored, dict) and set(_MEMORY) <= set(stored.get("memory", {})):
-        return Figures({k: int(stored["memory"][k]) for k in _MEMORY}, stored.get("cost", {}))
+        keys = [*_MEMORY, *(["peak"] if "peak" in stored["memory"] else [])]
+        return Figures({k: int(stored["memory"][k]) for k in keys}, stored.get("cost", {}))
     try:
         compiled = lowered.compile()
     except Exception as e:
@@ -72,7 +74,8 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
         raise
     memory = compiled.memory_analysis()
     _store(path, {
-        "memory": {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in _MEMORY},
+        "memory": {**{k: int(getattr(memory, f"{k}_size_in_bytes")) for k in _MEMORY},
+                   "peak": int(getattr(memory, "peak_memory_in_bytes", 0))},
         "cost": {k: float(v) for k, v in cost_of(compiled).items() if isinstance(v, int | float)},
     })  # fmt: skip
     return compiled

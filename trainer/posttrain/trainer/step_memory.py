@@ -110,6 +110,7 @@ def memory_of(compiled: Any) -> dict[str, int]:
         "output": memory.output_size_in_bytes,
         "alias": memory.alias_size_in_bytes,
         "temp": memory.temp_size_in_bytes,
+        "peak": getattr(memory, "peak_memory_in_bytes", 0),  # the compiler's own (TPU)
     }
 
 
