@@ -267,7 +267,7 @@ def run_case(args: argparse.Namespace) -> dict:
         out["compiler_peak_gib"] = (peak - m.alias_size_in_bytes) / GIB
         out["temp_gib"] = m.temp_size_in_bytes / GIB
         # the compiler's own peak; on a TPU the temporaries above count a scanned step's
-        # loop buffers more than once (tests/trainer/test_scan.py, the user guide's Resume)
+        # loop buffers more than once (docs/tpu.md, 2026-12-07 third session)
         out["own_peak_gib"] = getattr(m, "peak_memory_in_bytes", 0) / GIB
         cost = compiled.cost_analysis() or {}
         out["compiler_tflop"] = float(cost.get("flops", 0.0)) / 1e12
