@@ -49,7 +49,8 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
         log.info("%d CPU devices for spec.grpo.rollout's placement", devices)
     # Locally: shared with `posttrain generate` and `export` on this machine; in a pod:
     # beside the checkpoints on the job's volume, for the pod a restart makes.
-    compile_cache.enable(output_uri=job.spec.output.uri if in_pod else None)
+    pod_output = job.spec.output.uri if in_pod else None
+    cache = compile_cache.enable(output_uri=pod_output)
     if job.spec.resources.accelerator == "cpu":  # the arrays live in the process heap
         host_malloc.return_freed_memory()
     from posttrain.trainer import device_check, distributed, pathways, storage
@@ -86,6 +87,9 @@ def _run(job: PostTrainJob, show_bar: bool, in_pod: bool = False) -> int:
     try:
         with watching(job.spec.scheduling.progress_deadline_seconds):  # a hung loop exits
             result = train(job, info, show_bar=show_bar, stop=stop)
+        if cache and info.process_id == 0 and (remote := compile_cache.kept_copy(pod_output)):
+            log.info("compilation cache: %d programs to %s", compile_cache.push(cache, remote),
+                     remote)  # fmt: skip
     except Interrupted as e:  # before the first step (no watcher thread): nothing to save
         print(stopped_line(e.signum), file=sys.stderr)
         return exit_code(e.signum)
