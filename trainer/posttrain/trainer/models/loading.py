@@ -28,6 +28,7 @@ from posttrain.trainer.models.config import ModelInfo, model_info
 from posttrain.trainer.models.families import model_class
 from posttrain.trainer.models.params import param_maps
 from posttrain.trainer.models.safetensors_io import SafetensorsDir, detect_prefix
+from posttrain.trainer.models.scan import sharding_metadata_key
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,6 @@ def fit_spec(spec: Sequence[Any], shape: tuple[int, ...], mesh) -> tuple:
         else:
             out.append(names[0] if len(names) == 1 else names)
     return tuple(out)
-
-
-def _sharding_metadata_key(var: nnx.Variable) -> str | None:
-    meta = var.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):
-        if meta.get(key) is not None:
-            return key
-    return None
 
 
 def _np_dtype(dtype: Any) -> np.dtype:
@@ -180,7 +173,7 @@ def load_model(
                     )
             if tuple(var.shape) != m.shape:
                 raise RuntimeError(f"posttrain bug: {path} is {var.shape}, mapping gives {m.shape}")
-            key = _sharding_metadata_key(var)
+            key = sharding_metadata_key(var)
             spec = var.get_metadata().get(key) if key else None
             fitted = fit_spec(spec or (), m.shape, mesh)
             sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*fitted))

@@ -120,13 +120,20 @@ def resolve(setting: str, family: str) -> str:
     return "unroll" if setting == "auto" else setting
 
 
-def _stacked_spec(var: nnx.Variable) -> dict[str, Any]:
-    """The Variable's sharding metadata with the (unsharded) layer axis in front."""
+def sharding_metadata_key(var: nnx.Variable) -> str | None:
+    """The metadata key under which a Tunix Variable names its sharding, if any (the
+    loader reads it; a stacked Variable gets the layer axis in front of it)."""
     meta = var.get_metadata()
     for key in ("out_sharding", "sharding_names", "sharding"):
         if meta.get(key) is not None:
-            return {key: (None, *meta[key])}
-    return {}
+            return key
+    return None
+
+
+def _stacked_spec(var: nnx.Variable) -> dict[str, Any]:
+    """The Variable's sharding metadata with the (unsharded) layer axis in front."""
+    key = sharding_metadata_key(var)
+    return {key: (None, *var.get_metadata()[key])} if key else {}
 
 
 def _stacked_value(values: list[Any]) -> Any:
