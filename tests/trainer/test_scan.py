@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from tiny_job import run_job, tiny_job, validated
 from tiny_model import make_tiny_llama
 
 from posttrain.checks import validate
-from posttrain.trainer import lora, models, sft
+from posttrain.trainer import lora, models, policy, sft
 from posttrain.trainer.models import scan
 
 pytestmark = pytest.mark.trainer
@@ -122,10 +123,17 @@ def test_a_checkpoint_tree_converts_between_layouts():
 
 
 def test_layer_loop_resolves_and_refuses_by_name():
-    assert scan.resolve("auto", "qwen3") == "unroll"
-    assert scan.resolve("scan", "llama3") == "scan"
+    for family in SCANNED:  # auto: scan on a TPU, where the chip measured it (docs/tpu.md)
+        assert scan.resolve("auto", family=family, platform="tpu") == "scan"
+        assert scan.resolve("auto", family=family, platform="cpu") == "unroll"
+        assert scan.resolve("auto", family=family, platform="gpu") == "unroll"
+        assert scan.resolve("auto", family=family, platform="tpu", grpo=True) == "unroll"
+    assert scan.resolve("auto", family="gemma3", platform="tpu") == "unroll"
+    assert scan.resolve("auto", family="qwen3") == "unroll"  # this machine's backend: CPU
+    assert scan.resolve("scan", family="llama3", platform="cpu") == "scan"
+    assert scan.resolve("unroll", family="llama3", platform="tpu") == "unroll"
     with pytest.raises(ValueError, match=r"spec\.training\.layerLoop: scan, but the gemma3"):
-        scan.resolve("scan", "gemma3")
+        scan.resolve("scan", family="gemma3")
     doc = tiny_job("m", DATA, "out", steps=1, every=1, training={"layerLoop": "scan"},
                    technique="grpo", grpo={"rewards": [{"type": "lengthPenalty"}]})  # fmt: skip
     errors = [str(e) for e in validate(doc)[1]]
@@ -206,3 +214,39 @@ def test_layers_that_differ_are_refused_by_the_field():
     model = lora.apply_lora(model, 4, 8.0, r"layers/0/attn/q_proj")
     with pytest.raises(ValueError, match=r"spec\.training\.layerLoop: scan, .*targetModules"):
         scan.stack(model)
+
+
+def test_auto_on_a_tpu_scans_alike_layers_and_unrolls_layers_that_differ():
+    """auto scans on a TPU; LoRA on only some layers keeps the list there, where scan
+    itself is refused (above)."""
+    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]))
+    spec = validated(tiny_job("m", DATA, "out", steps=1, every=1)).spec
+    assert str(spec.training.layer_loop) == "auto"
+    model, _ = models.load_model(FIXTURES / "qwen3", dtype=jnp.float32)
+    model = lora.apply_lora(model, 4, 8.0)
+    assert scan.alike(model) and scan.is_stacked(policy.apply_layer_loop(spec, model, "qwen3", tpu))
+    model, _ = models.load_model(FIXTURES / "qwen3", dtype=jnp.float32)
+    model = lora.apply_lora(model, 4, 8.0, r"layers/0/attn/q_proj")
+    assert not scan.alike(model)
+    assert not scan.is_stacked(policy.apply_layer_loop(spec, model, "qwen3", tpu))
+
+
+def test_stacking_frees_each_parameters_layers_as_it_goes(monkeypatch):
+    """The load's high-water mark is the weights once plus one parameter's stack, not the
+    layers twice (on a TPU the runtime reserves a step's temporaries below that mark)."""
+    model, _ = models.load_model(FIXTURES / "qwen3", dtype=jnp.float32)
+    layers = list(model.layers)
+    per_layer = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(layers))]
+
+    def live_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+    before, largest, seen = live_bytes(), max(a.nbytes for a in per_layer) * len(layers), []
+    stack_value = scan._stacked_value
+    monkeypatch.setattr(scan, "_stacked_value",
+                        lambda values: seen.append(live_bytes()) or stack_value(values))  # fmt: skip
+    scan.stack(model)
+    seen.append(live_bytes())
+    assert all(a.is_deleted() for a in per_layer)
+    assert max(seen) <= before + largest, (max(seen), before, largest)
+    assert seen[-1] == before  # the weights once, stacked

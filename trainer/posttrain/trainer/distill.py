@@ -140,7 +140,7 @@ def load_teacher(spec: Any, student: models.ModelInfo, mesh: jax.sharding.Mesh, 
             f"the student's {student.vocab_size}; the teacher must share the student's "
             "tokenizer"
         )
-    return apply_layer_loop(spec, teacher, info.family), info
+    return apply_layer_loop(spec, teacher, info.family, mesh), info
 
 
 def check(spec: Any) -> None:

@@ -6,6 +6,7 @@ optimizer state laid out like the params before a restore (`shard_like_params`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from flax import nnx
 
 from posttrain.trainer import lora, models, peft_format, sources
 from posttrain.trainer.models import scan, vision
+
+log = logging.getLogger("posttrain.trainer")
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -99,14 +102,25 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
             )
             peft_format.load_peft_adapter(model, adapter, info)
         wrt = nnx.LoRAParam
-    apply_layer_loop(spec, model, info.family)
+    apply_layer_loop(spec, model, info.family, mesh)
+    log.info(
+        "decoder layers: %s (spec.training.layerLoop: %s)",
+        "scanned" if scan.is_stacked(model) else "unrolled",
+        spec.training.layer_loop,
+    )
     return Policy(model, info, wrt, info.model_dir)
 
 
-def apply_layer_loop(spec: Any, model: nnx.Module, family: str) -> nnx.Module:
-    """spec.training.layerLoop on a loaded model (its adapters already on): scan stacks
-    its decoder layers (``models.scan``). Returns ``model``."""
-    if scan.resolve(str(spec.training.layer_loop), family) == "scan":
+def apply_layer_loop(spec: Any, model: nnx.Module, family: str, mesh: jax.sharding.Mesh):
+    """spec.training.layerLoop on a loaded model (its adapters already on), on ``mesh``'s
+    platform: scan stacks its decoder layers (``models.scan``). Returns ``model``."""
+    setting = str(spec.training.layer_loop)
+    loop = scan.resolve(setting, family=family, platform=mesh.devices.flat[0].platform,
+                        grpo=str(spec.technique) == "grpo")  # fmt: skip
+    if loop == "scan" and setting == "auto" and not scan.alike(model):
+        log.info("decoder layers unrolled: they differ (spec.lora.targetModules adapting "
+                 "only some of them?), and only alike layers scan")  # fmt: skip
+    elif loop == "scan":
         scan.stack(model)
     return model
 
@@ -123,4 +137,4 @@ def load_reference(spec: Any, policy: Policy, mesh: jax.sharding.Mesh) -> nnx.Mo
         remat=spec.training.remat,
         attention=spec.training.attention,
     )
-    return apply_layer_loop(spec, model, policy.info.family)
+    return apply_layer_loop(spec, model, policy.info.family, mesh)

@@ -117,7 +117,11 @@ def memory_of(compiled: Any) -> dict[str, int]:
 def compile_step(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> Any:
     """The job's train step compiled ahead of time for `mesh`'s devices (simulated CPU
     devices, a real accelerator's, or compile-only TPU devices: nothing runs on them)."""
-    step, args = build(spec, mesh)
+    return compile_built(*build(spec, mesh), mesh)
+
+
+def compile_built(step: Any, args: tuple, mesh: jax.sharding.Mesh) -> Any:
+    """What ``build`` returned, compiled for `mesh`'s devices."""
     with jax.set_mesh(mesh):
         return compile_figures.compile(step.lower(*args), mesh)
 
@@ -154,13 +158,13 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
                 abstract=True,
             )  # fmt: skip
             wrt = nnx.LoRAParam
-        apply_layer_loop(spec, model, info.family)
+        apply_layer_loop(spec, model, info.family, mesh)
         opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, optim.optimizer(t), wrt=wrt), model)
         nnx.update(opt, _abstract(nnx.state(opt), mesh))
 
         def frozen() -> nnx.Module:
             ref = _model(src, mesh, compute, compute, remat, layers, family, False, attention)[0]
-            return apply_layer_loop(spec, ref, info.family)
+            return apply_layer_loop(spec, ref, info.family, mesh)
 
         i32, n, length = jnp.int32, t.batch_size, spec.data.max_length
         sft_keys = ("input_ids", "loss_mask", "segment_ids", "positions")
@@ -177,7 +181,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
                 teacher, teacher_info = _model(d.teacher.source, mesh, DTYPES[d.teacher.dtype],
                                  DTYPES[d.teacher.dtype], remat, d.teacher.layers,
                                  d.teacher.family, False, attention)  # fmt: skip
-                apply_layer_loop(spec, teacher, teacher_info.family)
+                apply_layer_loop(spec, teacher, teacher_info.family, mesh)
                 step = distill.make_train_step(
                     wrt, float(d.temperature), float(d.alpha), t.gradient_accumulation
                 )

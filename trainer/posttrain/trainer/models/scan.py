@@ -107,9 +107,12 @@ def is_stacked(model: nnx.Module) -> bool:
     return isinstance(getattr(model, "layers", None), StackedLayers)
 
 
-def resolve(setting: str, family: str) -> str:
-    """``scan`` or ``unroll`` for spec.training.layerLoop ``setting`` and a model of
-    ``family`` (auto: unroll)."""
+def resolve(setting: str, *, family: str, platform: str | None = None, grpo: bool = False) -> str:
+    """``scan`` or ``unroll`` for spec.training.layerLoop ``setting``, a model of
+    ``family`` on ``platform`` (default: JAX's backend). ``auto`` scans on a TPU, where the
+    chip measured the scanned step within 1.2% of the unrolled one's time, its compile 6.5x
+    shorter and a warm restart half as long (docs/tpu.md); it unrolls elsewhere, for GRPO
+    (its rollouts' per-layer KV cache) and for families whose layers differ."""
     if setting not in LOOPS:
         raise ValueError(f"{FIELD}: {setting!r} is not one of {', '.join(LOOPS)}")
     if setting == "scan" and family not in FAMILIES:
@@ -117,7 +120,11 @@ def resolve(setting: str, family: str) -> str:
             f"{FIELD}: scan, but the {family} family's layers differ from one another "
             f"(scanned families: {', '.join(FAMILIES)}); use auto or unroll"
         )
-    return "unroll" if setting == "auto" else setting
+    if setting == "auto":
+        platform = platform or jax.default_backend()
+        scans = platform == "tpu" and family in FAMILIES and not grpo
+        return "scan" if scans else "unroll"
+    return setting
 
 
 def sharding_metadata_key(var: nnx.Variable) -> str | None:
@@ -154,10 +161,24 @@ def _stacker(sharding: Any) -> Any:
     return jax.jit(lambda *values: jnp.stack(values), out_shardings=sharding)
 
 
+def alike(model: nnx.Module) -> bool:
+    """Whether the model's decoder layers hold the same parameters (paths, shapes and
+    dtypes), as stacking needs: LoRA on only some layers makes them differ."""
+
+    def params(layer: nnx.Module) -> dict:
+        flat = nnx.to_flat_state(nnx.state(layer))
+        return {p: (v.get_value().shape, v.get_value().dtype) for p, v in flat}
+
+    layers = list(model.layers)
+    first = params(layers[0])
+    return all(params(layer) == first for layer in layers[1:])
+
+
 def stack(model: nnx.Module) -> nnx.Module:
     """Replaces ``model.layers`` (in place) by a ``StackedLayers`` of the same layers;
-    returns ``model``. Until the list is dropped the layers' weights exist twice, once
-    stacked (a transient of the load, below a train step's own peak)."""
+    returns ``model``. The layers are consumed: each parameter's per-layer arrays are
+    freed once stacked, so the load holds the weights once plus one parameter's stack
+    (the TPU runtime's reservable HBM shrinks by the load's high-water mark)."""
     if is_stacked(model):
         return model
     layers = list(model.layers)
@@ -172,8 +193,11 @@ def stack(model: nnx.Module) -> nnx.Module:
     flats = [dict(nnx.to_flat_state(state)) for _, state in split]
     stacked = {}
     for path, first in flats[0].items():
-        value = _stacked_value([flat[path].get_value() for flat in flats])
-        stacked[path] = first.copy(value, **_stacked_spec(first))
+        values = [flat[path].get_value() for flat in flats]
+        stacked[path] = first.copy(_stacked_value(values), **_stacked_spec(first))
+        for value in values:
+            if isinstance(value, jax.Array):
+                value.delete()
     model.layers = StackedLayers(nnx.merge(graphdef, nnx.from_flat_state(stacked)), len(layers))
     return model
 
