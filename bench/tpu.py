@@ -13,8 +13,11 @@ optimizer donated) and prints:
 - the compiled program's size (as the persistent compilation cache stores it);
 - the compiler's peak (memory_analysis: arguments + temporaries + outputs - aliased, and
   its own ``peak_memory_in_bytes``) and
-  the runtime's peak (``peak_bytes_in_use`` + ``peak_bytes_reserved``, the programs'
-  temporaries being reserved apart; each case runs in a process of its own);
+  the step's runtime peak (``bytes_in_use`` after the steps + ``peak_bytes_reserved``:
+  the runtime reserves a program's temporaries apart from the buffers in use; each case
+  runs in a process of its own) and the process's high-water mark of buffers in use
+  (``peak_bytes_in_use``: the load's when above the step's, as a scanned model's stacking
+  once was; what a step may reserve is the HBM less that mark);
 - the ratio to the reference: ``jax.jit`` over the model's pure state (params, optimizer
   state donated), ``optax.adamw`` without clipping, the same forward and loss.
 
@@ -298,8 +301,9 @@ def run_case(args: argparse.Namespace) -> dict:
             out["ratio_to_reference"] = ref_seconds / seconds
         stats = devices[0].memory_stats() or {}
         # the runtime reserves each program's temporaries apart from the buffers in use
-        peak = stats.get("peak_bytes_in_use", 0) + stats.get("peak_bytes_reserved", 0)
+        peak = stats.get("bytes_in_use", 0) + stats.get("peak_bytes_reserved", 0)
         out["runtime_peak_gib"] = peak / GIB
+        out["in_use_mark_gib"] = stats.get("peak_bytes_in_use", 0) / GIB
         out["memory_stats"] = stats
         out["hbm_gib"] = stats.get("bytes_limit", 0) / GIB
     return out
@@ -334,7 +338,8 @@ def show(r: dict) -> str:
             f"(own {r.get('own_peak_gib', 0):5.2f})")  # fmt: skip
     if "step_ms" not in r:
         return line + f"  compiler {r['compiler_tflop']:.1f} TFLOP (model {r['model_tflop']:.1f})"
-    line += (f"  runtime peak {r['runtime_peak_gib']:5.2f} GiB  step {r['step_ms']:6.1f} ms  "
+    line += (f"  runtime peak {r['runtime_peak_gib']:5.2f} GiB (in use at most "
+             f"{r.get('in_use_mark_gib', 0):.2f})  step {r['step_ms']:6.1f} ms  "
              f"{r['tokens_per_s']:8.0f} tokens/s  MFU {100 * (r['mfu'] or 0):4.1f}%")  # fmt: skip
     if "ratio_to_reference" in r:
         line += f"  x{r['ratio_to_reference']:.2f} of the bare-JAX step"
