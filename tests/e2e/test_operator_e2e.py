@@ -615,6 +615,29 @@ def deadline_policy(namespace: str, resource: str = "jobs") -> list[dict]:
     return [policy, binding]
 
 
+def enforce(cluster: Cluster, namespace: str, policy: list[dict]) -> None:
+    """Applies ``deadline_policy``'s objects and waits until the API server enforces them:
+    a bare Job (pod) created in `namespace` with a server-side dry run is refused. A new
+    policy takes the API server a moment to load, longer on a busy machine."""
+    cluster.apply(policy)
+    resource = policy[0]["spec"]["matchConstraints"]["resourceRules"][0]["resources"][0]
+    container = {"name": "c", "image": "probe"}
+    pod_spec = {"containers": [container], "restartPolicy": "Never"}
+    probe = (
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "probe"},
+         "spec": {"template": {"spec": pod_spec}}}
+        if resource == "jobs"
+        else {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"}, "spec": pod_spec}
+    )  # fmt: skip
+
+    def refused() -> bool:
+        proc = cluster.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+                               input=json.dumps(probe), check=False)  # fmt: skip
+        return proc.returncode != 0 and "need spec.activeDeadlineSeconds" in proc.stderr
+
+    wait_for(refused, timeout=60, what=f"the API server to enforce {policy[0]['metadata']['name']}")
+
+
 def jobs_of(cluster: Cluster, namespace: str, jobset: str, kind: str = "jobs") -> list[dict]:
     """The JobSet's Jobs (or pods), by the label the JobSet controller gives them."""
     label = f"jobset.sigs.k8s.io/jobset-name={jobset}"
@@ -669,9 +692,8 @@ def test_jobs_the_api_server_refuses_fail_or_wait_in_its_words(
     cluster.kubectl("delete", "resourcequota", "jobs", "-n", namespace)
 
     policy = deadline_policy(namespace)
-    cluster.apply(policy)
     try:
-        time.sleep(2)  # the API server loads a new policy within a second
+        enforce(cluster, namespace, policy)
         doc = valid_job("ruled")
         doc["spec"] |= {"image": "posttrain-trainer:slow", "hfTokenSecret": {"name": "hf"}}
         cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, doc)
@@ -749,7 +771,6 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
     queue = cluster.tpu_queue(namespace, "tpu", chips=8)
     cq = queue[1]["metadata"]["name"]
     policy = deadline_policy(namespace, "pods")
-    cluster.apply(policy)
 
     def released() -> bool:
         (workload,) = [
@@ -767,7 +788,7 @@ def test_pods_the_api_server_refuses_fail_or_wait_in_its_words(
         )
 
     try:
-        time.sleep(2)  # the API server loads a new policy within a second
+        enforce(cluster, namespace, policy)
         tpu_job(cluster, namespace, "admitted", "posttrain-trainer:slow", queue="tpu")
         st, failed = wait_failed(cluster, namespace, "admitted", timeout=90)
         assert failed["reason"] == "PodCreationFailed", failed
