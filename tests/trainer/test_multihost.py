@@ -37,7 +37,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8, **extra: dict) -> Path:
+def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8,
+         training: dict | None = None, **extra: dict) -> Path:  # fmt: skip
     doc = {
         "apiVersion": "posttrain.dev/v1alpha1",
         "kind": "PostTrainJob",
@@ -51,6 +52,7 @@ def _job(tmp: Path, model: Path | str, out: Path | str, batch_size: int = 8, **e
                 "batchSize": batch_size,
                 "learningRate": 0.01,
                 "logEverySteps": 1,
+                **(training or {}),
             },
             "checkpoint": {"everySteps": 3},
             "output": {"uri": str(out)},
@@ -206,6 +208,24 @@ def test_two_slices_match_one(tmp_path: Path, model: Path, single: _Single):
     _assert_same_evaluations(single.out, tmp_path / "sliced")
     # Each slice restores a whole replica of the checkpoint.
     _assert_resumes_from_step_3(str(tmp_path / "sliced"), lambda: _two_hosts(sliced, slices=2))
+
+
+def test_two_hosts_scanning_their_layers_match_one_unrolling_them(
+    tmp_path: Path, model: Path, single: _Single
+):
+    """spec.training.layerLoop: scan (what auto is on TPUs) on 2 hosts of 2 devices, FSDP
+    over the 4: each host stacks its shards of the layers, trains, evaluates with a
+    stacked KV cache, checkpoints and exports across the hosts as the unrolled run does,
+    and resumes from its own checkpoint bit for bit."""
+    scanned = _job(tmp_path, model, tmp_path / "scanned", training={"layerLoop": "scan"},
+                   **EVALUATION)  # fmt: skip
+    logs = _finish(_two_hosts(scanned))
+    assert "decoder layers: unrolled" in single.log()
+    for log in logs:
+        assert "decoder layers: scanned" in log and "mesh dp=1 x fsdp=4 x tp=1" in log, log
+    _assert_same_losses(single.out, tmp_path / "scanned")
+    _assert_same_evaluations(single.out, tmp_path / "scanned")
+    _assert_resumes_from_step_3(str(tmp_path / "scanned"), lambda: _two_hosts(scanned))
 
 
 def test_a_batch_that_does_not_split_over_the_hosts_is_a_user_error(tmp_path: Path, model: Path):
