@@ -111,7 +111,9 @@ def load_policy(spec: Any, mesh: jax.sharding.Mesh, scratch: Path) -> Policy:
     return Policy(model, info, wrt, info.model_dir)
 
 
-def apply_layer_loop(spec: Any, model: nnx.Module, family: str, mesh: jax.sharding.Mesh):
+def apply_layer_loop(
+    spec: Any, model: nnx.Module, family: str, mesh: jax.sharding.Mesh
+) -> nnx.Module:
     """spec.training.layerLoop on a loaded model (its adapters already on), on ``mesh``'s
     platform: scan stacks its decoder layers (``models.scan``). Returns ``model``."""
     setting = str(spec.training.layer_loop)
