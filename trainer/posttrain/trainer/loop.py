@@ -17,7 +17,6 @@ there, is finished: running it again trains and writes nothing (see `finished_ru
 
 from __future__ import annotations
 
-import collections
 import datetime
 import gc
 import importlib
@@ -53,6 +52,7 @@ from posttrain.trainer.checkpoint import Checkpoints, background_saves
 from posttrain.trainer.data.host_data import build_data, check_row_count
 from posttrain.trainer.distributed import ProcessInfo
 from posttrain.trainer.export import OutputDir, best_checkpoint, export_model
+from posttrain.trainer.in_flight import Window, is_ready
 from posttrain.trainer.policy import (
     Policy,
     load_policy,
@@ -65,9 +65,6 @@ from posttrain.trainer.signals import StopFlag
 
 log = logging.getLogger("posttrain.trainer")
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
-# Steps dispatched ahead of the device at most: enough to keep it busy while the host
-# prepares the next batch, few enough that queued batches never take real memory.
-IN_FLIGHT = 2
 
 
 @dataclass
@@ -134,23 +131,6 @@ def train(
         raise
     finally:  # a gs:// model's copy, a remote output's local side: nothing left in /tmp
         shutil.rmtree(run.scratch, ignore_errors=True)
-
-
-class Window:
-    """The steps since the last log: their tokens (device scalars) and when they began."""
-
-    def __init__(self) -> None:
-        self.start, self.tokens = time.monotonic(), []
-
-    def close(self, loss: Any, end: float | None = None) -> tuple[float, float]:
-        """(the window's last loss, its tokens/s) up to `end`, when the next step's work
-        began (a window read once that step is queued), else to when the device finished
-        the last step (reading the loss waits for it); the next window begins there."""
-        loss_value = float(loss)
-        end = time.monotonic() if end is None else end
-        rate = sum(int(t) for t in self.tokens) / max(end - self.start, 1e-9)
-        self.start, self.tokens = end, []
-        return loss_value, rate
 
 
 def train_sft(run: RunSetup) -> Result:
@@ -360,17 +340,16 @@ def run_steps(
         evaluation.resume(spec.output.uri, result.step)
         best = best_checkpoint(spec)
     metrics: dict[str, float] = {}
-    # Steps are dispatched without waiting for the device, at most IN_FLIGHT ahead; a log
-    # step's outputs are read once the next step is queued behind it (`pending`), so the
-    # device computes while the host logs (read at once, the device idled until the next
+    # Steps are dispatched without waiting for the device (in_flight.py); a log step's
+    # outputs are read once the next step is queued behind it (`pending`), so the device
+    # computes while the host logs (read at once, the device idled until the next
     # dispatch: 5% of a 250 ms step logged every 5 on the chip). Saves wait anyway.
     window = Window()
-    in_flight: collections.deque = collections.deque()
     pending: tuple[int, Any, dict[str, Any]] | None = None
 
-    def report(step_number: int, loss: Any, out: dict[str, Any], end: float | None = None):
+    def report(step_number: int, loss: Any, out: dict[str, Any]):
         nonlocal metrics
-        loss_value, tokens_per_second = window.close(loss, end)
+        loss_value, tokens_per_second = window.close(step_number, loss)
         metrics = {
             "loss": loss_value,
             "learning_rate": float(learning_rates[step_number - 1]),
@@ -392,9 +371,8 @@ def run_steps(
         if result.step < total:
             progress.phase(f"compiling and running step {result.step + 1}")
         while result.step < total and not stop:
-            began = time.monotonic()  # where a window read after this step's dispatch ends
             host_batch = next(loader)
-            clock.data(device_busy=loss is not None and not _is_ready(loss))
+            clock.data(device_busy=loss is not None and not is_ready(loss))
             out = dict(step(host_batch, result.step))
             loss = out.pop("loss")
             result.step += 1
@@ -404,13 +382,10 @@ def run_steps(
                 # full collection walks it again (0.4-0.6 s every ~8 steps on the chip).
                 stop.training()
                 gc.freeze()
-            in_flight.append(loss)
-            if len(in_flight) > IN_FLIGHT:
-                jax.block_until_ready(in_flight.popleft())
+            window.queue(result.step, loss, out.pop("tokens", 0))
             if pending is not None:
-                report(*pending, began)
+                report(*pending)
                 pending = None
-            window.tokens.append(out.pop("tokens", 0))
             log_now = result.step % spec.training.log_every_steps == 0 or result.step == total
             eval_now = evaluation is not None and evaluation.due(result.step, total)
             save_now = (
@@ -496,12 +471,6 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 def compile_seconds() -> float:
     """Seconds JAX spent tracing, lowering and compiling in this process so far."""
     return _compiled[0]
-
-
-def _is_ready(value: Any) -> bool:
-    """Whether a step's output is computed (host values always are)."""
-    is_ready = getattr(value, "is_ready", None)
-    return bool(is_ready()) if callable(is_ready) else True
 
 
 def _read_goodput(spec: Any) -> goodput.Ledger:
