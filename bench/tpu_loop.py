@@ -75,7 +75,9 @@ def job_file(args: argparse.Namespace, root: Path, out: Path, log_every: int) ->
 
     _, rank = __import__("tpu").CASES[args.case]
     spec = {
-        "model": {"source": str(root / "model"), "dtype": "bfloat16" if rank else "float32"},
+        # bf16 forward and backward, as the back-to-back step: a full fine-tune's master
+        # weights are float32 whatever model.dtype says (policy.load_policy)
+        "model": {"source": str(root / "model"), "dtype": "bfloat16"},
         "data": {"source": str(root / "rows.jsonl"), "maxLength": args.seq,
                  "completionOnlyLoss": False},
         "training": {"steps": args.steps, "batchSize": args.batch, "learningRate": 1e-5,

@@ -9,6 +9,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 parts=${*:-tests bench attention decode loop grpo}
 echo "posttrain $(git rev-parse --short HEAD 2>/dev/null || echo '?') on $(date -u +%FT%TZ)" | tee -a "$OUT/suite.txt"
+# the trainer's imports, checked in seconds rather than minutes into a part (the TPU
+# machine's index lacks portpicker, which Grain's prefetch imports: docs/tpu.md)
+if ! python3 -c "import posttrain.trainer.data.loader" 2> "$OUT/imports.txt"; then
+  tail -1 "$OUT/imports.txt" | tee -a "$OUT/suite.txt"
+  echo "the trainer does not import here: install what is missing first (docs/tpu.md, How to measure)" | tee -a "$OUT/suite.txt"
+  exit 2
+fi
 for part in $parts; do
   t=$SECONDS
   case $part in
