@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,6 +248,7 @@ def test_episodes_call_tools_and_only_the_models_tokens_carry_loss(tmp_path):
         first_context
     )
     assert out.text[0].endswith("42\n</tool_response>\nassistant\nIt is 42.")
+    assert out.final_turn == ["It is 42.", "No.", "7"]  # what exactAnswer reads
     assert "error: no tool named 'web' (tools: calc)" in out.text[1]
     assert out.completion_mask[2].sum() == len(enc("7")) + 1  # one turn, no tools
     assert len(policy.contexts) == 2  # episode 0 and 1 took two turns; nobody a third
@@ -320,7 +320,8 @@ def test_a_jobs_own_instructions_replace_the_standard_text(tmp_path):
 @pytest.mark.trainer
 def test_posttrain_run_of_episodes_with_tools_and_a_verifier(tmp_path):
     """A tiny GRPO job with a calculator and an http tool, scored by a verifier, runs
-    through `posttrain run`; TensorBoard has turns, tool calls and tool errors a step."""
+    through `posttrain run`; TensorBoard has turns, tool calls and tool errors a step, and
+    eval.json's samples are the greedy episodes the evaluation had scored."""
     from tiny_model import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "model")
@@ -359,6 +360,7 @@ def test_posttrain_run_of_episodes_with_tools_and_a_verifier(tmp_path):
                     ],
                 },
             },
+            "eval": {"fraction": 0.25, "samples": 2},  # 4 prompts, at the end
             "checkpoint": {"everySteps": 1000},
             "output": {"uri": str(tmp_path / "out"), "exportHF": "none"},
         }
@@ -374,17 +376,19 @@ def test_posttrain_run_of_episodes_with_tools_and_a_verifier(tmp_path):
             timeout=600,
         )
         assert run.returncode == 0, run.stdout + run.stderr
-        scored = sum(len(r["items"]) for r in verifier.behaviour.requests)
-    assert scored == 2 * 2 * 2  # every episode of both steps went to the verifier
+        items = [i for r in verifier.behaviour.requests for i in r["items"]]
+    assert len(items) == 2 * 2 * 2 + 4  # every episode of both steps, and the 4 held out
+    # The samples are the first held-out episodes as the verifier scored them.
+    samples = json.loads((tmp_path / "out" / "eval.json").read_text())[-1]["samples"]
+    scored = [(i["prompt"], i["completion"]) for i in items[-4:]]
+    assert [(s["prompt"], s["completion"]) for s in samples] == scored[:2]
     tb = scalars(tmp_path / "out" / "tensorboard")
     for name in ("turns", "tool_calls", "tool_errors", "reward_failures"):
         assert sorted(tb[f"train/{name}"]) == [1, 2], name
     assert all(1 <= t <= 2 for t in tb["train/turns"].values())
     # The verifier saw the episodes' text after the prompt, not the prompt again.
-    items = [i for r in verifier.behaviour.requests for i in r["items"]]
     assert all("# Tools" not in i["completion"] for i in items)
     assert all(i["prompt"].startswith("<|im_start|>") or "What is" in i["prompt"] for i in items)
-    Path(tmp_path / "out").exists()
 
 
 def test_status_progress_carries_episode_and_verifier_metrics():

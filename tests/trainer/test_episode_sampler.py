@@ -6,12 +6,15 @@ cache: every turn starts over)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
 from hf_fixtures import fixture_loader
 
 from posttrain.trainer import models
+from posttrain.trainer.agent_rollout import turn_and_cache
 from posttrain.trainer.episode_sampler import BLOCK, EpisodeSampler
 
 pytestmark = pytest.mark.trainer
@@ -84,6 +87,24 @@ def test_a_kept_cache_prefills_only_what_came_since(loaded):
     assert got == fresh(model, longer, 10**6) and sampler.cached[0] == longer + got[:-1]
     with pytest.raises(ValueError, match="do not fit a cache of 128"):
         sampler.turn([list(range(3, 3 + 4 * BLOCK))], jax.random.PRNGKey(4))
+
+
+def test_an_episode_within_its_budget_never_starts_over(loaded):
+    """The cache turn_and_cache sizes holds an episode that spends its whole budget in
+    full-length turns: every turn prefills one block (the last token and the message),
+    never the whole context again."""
+    model, _ = loaded("llama3")
+    prompt, budget = PROMPTS[1], 40
+    g = SimpleNamespace(max_prompt_length=len(prompt), max_completion_length=budget,
+                        agent=SimpleNamespace(turn_length=TURN))  # fmt: skip
+    turn, size = turn_and_cache(g)
+    sampler = EpisodeSampler(model, 1, size, turn, eos=10**6, pad=0, temperature=None)
+    context, prefilled = list(prompt), []
+    while len(context) + TURN <= len(prompt) + budget:  # the rollout's budget
+        before = sampler.prefilled
+        context += sampler.turn([context], jax.random.PRNGKey(len(context)))[0] + TOOL[2]
+        prefilled.append(sampler.prefilled - before)
+    assert len(prefilled) == 4 and prefilled == [BLOCK] * 4
 
 
 def test_sampled_turns_follow_their_key(loaded):

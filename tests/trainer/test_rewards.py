@@ -48,6 +48,21 @@ def test_exact_answer_compares_the_last_number():
     ) == [0.0]
 
 
+def test_an_episodes_answer_is_its_last_model_turn_not_a_tools_result():
+    """With tools, the completion holds the tools' results: exactAnswer reads the model's
+    last turn (final_turn), so an episode whose last number came from the calculator is
+    not paid for an answer it never wrote."""
+    episodes = [
+        "<tool_call>{...}</tool_call>\n<tool_response>\n5\n</tool_response>\nAnswer: 5",
+        "<tool_call>{...}</tool_call>\n<tool_response>\n5\n</tool_response>\n<tool_call>{",
+    ]
+    got = fn({"type": "exactAnswer"})(
+        prompts=PROMPTS[:2], completions=episodes, answer=["5", "5"],
+        final_turn=["Answer: 5", "<tool_call>{"],
+    )  # fmt: skip
+    assert got == [1.0, 0.0]
+
+
 def test_regex_format_and_weights():
     r = fn({"type": "regexFormat", "pattern": r"^Answer: -?\d+\.$", "weight": 0.5})
     assert r(prompts=PROMPTS[:3], completions=["Answer: 5.", "answer: 5.", "Answer: 5.\nok"]) == [

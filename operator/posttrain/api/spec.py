@@ -725,10 +725,11 @@ class EvalSpec(KubeModel):
 
     samples: int = Field(default=2, ge=0, le=16)
     """Greedy generations for the first held-out prompts, written to TensorBoard as text
-    (single-host runs)."""
+    and eval.json (single-host runs). GRPO's are the completions its evaluation scored
+    (whole episodes with spec.grpo.agent)."""
 
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
-    """Length limit of those generations."""
+    """Length limit of those generations (GRPO's: spec.grpo.maxCompletionLength)."""
 
 
 class ExportFormat(StrEnum):

@@ -13,7 +13,9 @@ it saw and wrote.
 The episode becomes one GRPO rollout: the prompt's ids, and after them the model's turns
 (loss mask 1, each with its EOS) and the tool messages (mask 0) up to
 maxCompletionLength; the reward functions score the episode's text after the prompt (tool
-results included), so advantages are per episode within the prompt's group. Turns are
+results included), with its last model turn beside it (``final_turn``, where exactAnswer
+reads the answer: a tool's result is not the model's), so advantages are per episode
+within the prompt's group. Turns are
 seeded by (the rollout's key, turn), so a resumed run regenerates an interrupted step's
 episodes exactly when the tools answer as before (the calculator always does).
 
@@ -36,7 +38,7 @@ import jax
 import numpy as np
 
 from posttrain.trainer import tool_calls
-from posttrain.trainer.episode_sampler import EpisodeSampler
+from posttrain.trainer.episode_sampler import BLOCK, EpisodeSampler
 from posttrain.trainer.tools import Toolbox
 from posttrain.trainer.tunix_rl import TunixTokenizer
 
@@ -48,6 +50,7 @@ class Episodes:
     """A batch of episodes in the shape GrpoRun._sample takes a rollout's output."""
 
     text: list[str]  # each episode's text after the prompt (tool results included)
+    final_turn: list[str]  # each episode's last model turn (its answer, when it gave one)
     tokens: list[list[int]]  # the model's own tokens of each episode
     left_padded_prompt_tokens: np.ndarray  # [episodes, maxPromptLength]
     completion_ids: np.ndarray  # [episodes, maxCompletionLength]
@@ -64,9 +67,11 @@ class TurnSampler(Protocol):
 
 def turn_and_cache(g: Any) -> tuple[int, int]:
     """spec.grpo's tokens a model turn (agent.turnLength, else maxCompletionLength) and
-    the slots of an episode's KV cache: the prompt, the episode's budget and a turn."""
+    the slots of an episode's KV cache: the prompt, the episode's budget, a turn, and the
+    padding of a prefill block rounded up to BLOCK (without it, a late turn after long
+    ones would not fit after what is cached, and would prefill the whole context again)."""
     turn = int(g.agent.turn_length or g.max_completion_length)
-    return turn, int(g.max_prompt_length) + int(g.max_completion_length) + turn
+    return turn, int(g.max_prompt_length) + int(g.max_completion_length) + turn + BLOCK
 
 
 class AgentRollout:
@@ -112,6 +117,7 @@ class AgentRollout:
         mask: list[list[int]] = [[] for _ in range(n)]
         own: list[list[int]] = [[] for _ in range(n)]
         turns, calls_made, errors = [0] * n, [0] * n, [0] * n
+        final = [""] * n
         active = [True] * n
         for turn in range(self.max_turns):
             if not any(active):
@@ -127,7 +133,7 @@ class AgentRollout:
                 mask[i] += [1] * len(written)
                 own[i] += written
                 turns[i] += 1
-                text = tok.decode(written[:-1] if ended else written)
+                text = final[i] = tok.decode(written[:-1] if ended else written)
                 calls = self.format.parse(text) if ended else []
                 last = turn == self.max_turns - 1
                 if not calls or last or len(completion[i]) >= self.budget:
@@ -145,6 +151,7 @@ class AgentRollout:
                     active[i] = False
         return Episodes(
             text=[tok.tokenizer.decode(c, skip_special_tokens=True) for c in completion],
+            final_turn=final,
             tokens=own,
             left_padded_prompt_tokens=_left_padded(prompt_ids, self.prompt_length, pad),
             completion_ids=_right_padded(completion, self.budget, pad),

@@ -19,7 +19,9 @@ Metrics go to TensorBoard as eval/<name>, to eval.json under output.uri (the his
 one entry per evaluation) and to status.progress (evalStep, evalLoss, evalMetrics).
 With spec.eval.samples, greedy generations for the first held-out prompts go to
 TensorBoard as text and eval.json. With several hosts every host decodes the same
-prompts together, over the params where they are (`models.greedy_generate`).
+prompts together, over the params where they are (`models.greedy_generate`). GRPO's
+samples are the greedy completions its evaluation scored (an episode, tool results
+included, with spec.grpo.agent), not generated again.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ EVAL_FILE = "eval.json"
 
 Measure = Callable[[dict[str, np.ndarray]], dict[str, Any]]
 Summarize = Callable[[dict[str, float]], dict[str, float]]
+Samples = Callable[[], list[tuple[str, str]]]
 
 
 @dataclass
@@ -50,8 +53,7 @@ class Evaluation:
     batches: list[dict[str, np.ndarray]]
     measure: Measure
     summarize: Summarize
-    prompts: list[str] = field(default_factory=list)
-    generate: Callable[[str], str] | None = None
+    sample: Samples | None = None  # spec.eval.samples: (prompt, completion) pairs
     history: History | None = None
     groups: list[tuple[str, int, int]] = field(default_factory=list)  # (source, batches)
 
@@ -81,10 +83,8 @@ class Evaluation:
         return scores
 
     def samples(self) -> list[tuple[str, str]]:
-        """(prompt, greedy completion) for the sample prompts."""
-        if self.generate is None:
-            return []
-        return [(prompt, self.generate(prompt)) for prompt in self.prompts]
+        """(prompt, greedy completion) for the first held-out prompts."""
+        return [] if self.sample is None else self.sample()
 
 
 def _sums(measured: list[dict[str, Any]]) -> dict[str, float]:
@@ -139,10 +139,12 @@ def build(
     summarize: Summarize,
     model: nnx.Module,
     rows_per_batch: int | None = None,
+    scored: Samples | None = None,
 ) -> Evaluation | None:
     """The job's Evaluation (None without spec.eval). `held_out` is the held-out rows, or
     a mixture's [(source, rows)]: each source is measured alone too. `rows_per_batch`:
-    see held_out_batches."""
+    see held_out_batches. `scored`: the samples as `measure` generated and scored them
+    (GRPO's greedy completions), instead of generating them again."""
     if held_out is None:
         return None
     settings = spec.eval
@@ -164,17 +166,16 @@ def build(
         _batch_rows(spec, len(named[0][1]), rows_per_batch),
         f"{settings.every_steps} steps" if settings.every_steps else "run (at the end)",
     )
-    prompts: list[str] = []
-    generate = None
-    if settings.samples:
+    sample = scored if settings.samples else None
+    if settings.samples and sample is None:
         prompts = data.generation_prompts(spec, tokenizer, named[0][1], settings.samples)
-        generate = _greedy(model, tokenizer, settings.max_new_tokens)
-    return Evaluation(
-        settings.every_steps, batches, measure, summarize, prompts, generate, groups=groups
-    )
+        sample = _greedy(model, tokenizer, prompts, settings.max_new_tokens)
+    return Evaluation(settings.every_steps, batches, measure, summarize, sample, groups=groups)
 
 
-def _greedy(model: nnx.Module, tokenizer: data.Tokenizer, max_new_tokens: int):
+def _greedy(
+    model: nnx.Module, tokenizer: data.Tokenizer, prompts: list[str], max_new_tokens: int
+) -> Samples:
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
     def generate(prompt: str) -> str:
@@ -182,7 +183,7 @@ def _greedy(model: nnx.Module, tokenizer: data.Tokenizer, max_new_tokens: int):
         out = models.greedy_generate(model, tokenizer, ids, max_new_tokens, eos_token_ids=eos)
         return out.text or ""
 
-    return generate
+    return lambda: [(prompt, generate(prompt)) for prompt in prompts]
 
 
 # ------------------------------------------------------------------- per technique

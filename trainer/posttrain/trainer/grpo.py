@@ -245,6 +245,9 @@ class GrpoRun:
             g, count_tokens=lambda text: len(tokenizer.encode(text))
         )
         self.reward_names = [fn.__name__ for fn in self.reward_fns]
+        # spec.eval.samples: the first held-out prompts' greedy completions, as scored
+        self.samples_wanted = spec.eval.samples if spec.eval else 0
+        self.eval_samples: list[tuple[str, str]] = []
 
         # Reference: none (beta 0), the policy with adapters zeroed (LoRA), or a frozen copy.
         self.ref_kind = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
@@ -471,6 +474,7 @@ class GrpoRun:
             answer=np.repeat(answers, G),
             completion_tokens=[len(t) for t in out.tokens],
             mode="train",
+            **self._episode_columns(out),
         )
         parts = np.stack(
             [
@@ -495,6 +499,10 @@ class GrpoRun:
         model = self.cluster.rollout.model()
         return self.agent.run(prompts, key, self.agent.sampler(model, len(prompts), temperature))
 
+    def _episode_columns(self, out: Any) -> dict[str, list[str]]:
+        """The reward functions' column of episodes' last model turns (spec.grpo.agent)."""
+        return {"final_turn": out.final_turn} if self.agent is not None else {}
+
     def evaluate(self, host_batch: dict[str, np.ndarray]) -> dict[str, float]:
         """Greedy completions of held-out prompts, scored by spec.grpo.rewards: the summed
         reward, the prompts that passed (every reward but lengthPenalty positive) and the
@@ -514,9 +522,12 @@ class GrpoRun:
                         out = self.cluster.generate(prompts)
             finally:
                 config.top_k, config.seed = saved
+        wanted = self.samples_wanted - len(self.eval_samples)
+        self.eval_samples += list(zip(prompts, out.text, strict=True))[: max(wanted, 0)]
         columns = {
             "answer": list(host_batch["answer"]),
             "completion_tokens": [len(t) for t in out.tokens],
+            **self._episode_columns(out),
         }
         parts = {
             fn.__name__: np.asarray(fn(prompts=prompts, completions=out.text, **columns))
@@ -528,6 +539,12 @@ class GrpoRun:
         return evaluate.across_hosts(
             {"reward": float(total.sum()), "passed": float(passed.sum()), "prompts": len(prompts)}
         )
+
+    def scored_samples(self) -> list[tuple[str, str]]:
+        """The last evaluation's samples (spec.eval.samples): (prompt, greedy completion)
+        of its first prompts, the very completions it scored."""
+        samples, self.eval_samples = self.eval_samples, []
+        return samples
 
     def __call__(self, host_batch: dict[str, np.ndarray], index: int) -> dict[str, Any]:
         if self.async_rollouts is not None:
@@ -635,7 +652,14 @@ def train(run: loop.RunSetup) -> loop.Result:
         # A held-out batch is as many prompts as a step samples rows (one greedy rollout
         # each): the sampler runs at the shape it compiled for training.
         eval_rows = run.job.spec.training.batch_size * run.job.spec.grpo.num_generations
-        return run.train(grpo_run.opt, grpo_run, grpo_run.evaluate, reward_summary, eval_rows)
+        return run.train(
+            grpo_run.opt,
+            grpo_run,
+            grpo_run.evaluate,
+            reward_summary,
+            eval_rows,
+            grpo_run.scored_samples,
+        )
     finally:
         grpo_run.close()
 

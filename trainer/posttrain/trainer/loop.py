@@ -186,6 +186,7 @@ class RunSetup:
         measure: evaluate.Measure,
         summarize: evaluate.Summarize,
         eval_rows: int | None = None,
+        scored: evaluate.Samples | None = None,
     ) -> Result:
         """run_steps with `step`, evaluating spec.eval's held-out data by `measure` and
         `summarize` in batches of `eval_rows` rows where it has that many (see
@@ -200,6 +201,7 @@ class RunSetup:
             summarize,
             self.policy.model,
             eval_rows,
+            scored,
         )
         return run_steps(
             self.job,

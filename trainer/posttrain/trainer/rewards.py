@@ -6,7 +6,9 @@ batch (``answer``), repeated once per completion. The total reward of a completi
 the weighted sum of all rewards.
 
 - exactAnswer: 1 when the last number in the completion equals the answer column
-  (compared as numbers when both parse, else as stripped text), else 0.
+  (compared as numbers when both parse, else as stripped text), else 0. In an episode
+  with tools, the last number of the model's last turn (``final_turn``): a number a tool
+  answered is not the model's answer.
 - regexFormat: 1 when ``re.search(pattern, completion)`` finds a match (``.`` matches
   newlines) within MATCH_TIMEOUT_S (the ``regex`` module, re's syntax), else 0.
 - lengthPenalty: ``-(tokens - targetLength) / targetLength`` when the completion has more
@@ -151,7 +153,9 @@ def build_reward(
                 raise ValueError(
                     f"{field}: exactAnswer needs the answer column (spec.data.columns.answer)"
                 )
-            return [weight * r for r in exact_answer(completions, list(answers))]
+            final = kwargs.get("final_turn")  # an episode's answer is its last model turn
+            texts = completions if final is None else final
+            return [weight * r for r in exact_answer(texts, list(answers))]
 
     elif kind == "regexFormat":
         if not spec.pattern:
