@@ -102,7 +102,8 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple, 
 def _episode_decode(model: Any, g: Any, rows: int) -> tuple[Any, tuple]:
     """spec.grpo.agent's sampler (``EpisodeSampler``): the lowering of its decoding loop
     over one turn of `rows` episodes, and its abstract arguments. Its cache holds the
-    prompt, the episode's budget and a turn (``agent_rollout.turn_and_cache``)."""
+    prompt, the episode's budget, a turn and a prefill block
+    (``agent_rollout.turn_and_cache``)."""
     from posttrain.trainer import agent_rollout, episode_sampler
 
     turn, size = agent_rollout.turn_and_cache(g)
