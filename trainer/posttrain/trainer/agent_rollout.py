@@ -15,9 +15,9 @@ The episode becomes one GRPO rollout: the prompt's ids, and after them the model
 maxCompletionLength; the reward functions score the episode's text after the prompt (tool
 results included), with its last model turn beside it (``final_turn``, where exactAnswer
 reads the answer: a tool's result is not the model's), so advantages are per episode
-within the prompt's group. Turns are
-seeded by (the rollout's key, turn), so a resumed run regenerates an interrupted step's
-episodes exactly when the tools answer as before (the calculator always does).
+within the prompt's group. Turns are seeded by (the rollout's key, turn), so a resumed
+run regenerates an interrupted step's episodes exactly when the tools answer as before
+(the calculator always does).
 
 Why not Tunix's agentic learner (``tunix.rl.agentic``: ToolAgent, ToolEnvironment, the
 rollout orchestrator): it runs its own training loop, asynchronous and string-based, while
