@@ -35,7 +35,8 @@ one, no estimate is made and admission says so. Per device, as the trainer holds
 - reference / teacher: a frozen spec.model.dtype copy for DPO and GRPO (beta > 0) full
   fine-tunes (LoRA zeroes its adapters instead), the distillation teacher.
 - rollout cache: GRPO's KV cache, every generation of the step's prompts at
-  maxPromptLength + maxCompletionLength.
+  maxPromptLength + maxCompletionLength; with spec.grpo.agent a turn and a prefill block
+  more (``rollout_cache_length``).
 - vision tower: with spec.data.columns.images, Gemma 3's SigLIP tower and projector
   (frozen: in spec.model.dtype under LoRA, a float32 copy and its cast in a full
   fine-tune), and its forward activations in `activations` (one layer at a time, one
@@ -77,7 +78,7 @@ from dataclasses import dataclass, field, replace
 
 from posttrain.api import model_shapes, rollout_split
 from posttrain.api.model_shapes import ModelShape
-from posttrain.api.spec import LoraSpec, PostTrainJobSpec
+from posttrain.api.spec import GrpoSpec, LoraSpec, PostTrainJobSpec
 from posttrain.catalog import Placement
 
 GIB = 1024**3
@@ -245,10 +246,26 @@ def sampler_need_gib(spec: PostTrainJobSpec, placement: Placement) -> float | No
     weights = shape.params * w + (lora_params(shape, spec) * 4 if spec.lora else 0)
     whole = shape.vocab * shape.hidden + shape.layer_params if n > 1 else 0
     g = spec.grpo
-    length = g.max_prompt_length + g.max_completion_length
+    length = rollout_cache_length(g)
     kv = shape.kv_heads * shape.head_dim
     cache = spec.training.batch_size * g.num_generations * length * shape.layers * 2 * kv * w
     return (weights / n + whole * w + cache / n) / GIB
+
+
+# The episode sampler (trainer/posttrain/trainer/episode_sampler.py) prefills the tokens
+# a turn adds in blocks of this width.
+EPISODE_PREFILL_BLOCK = 32
+
+
+def rollout_cache_length(g: GrpoSpec) -> int:
+    """Slots a GRPO rollout's KV cache holds a sequence (spec.grpo): the prompt and the
+    completion; with spec.grpo.agent, the episode sampler's cache, a turn (turnLength)
+    and a prefill block's padding more, so that no turn within the episode's budget has
+    to prefill the whole context again."""
+    length = int(g.max_prompt_length) + int(g.max_completion_length)
+    if g.agent is None:
+        return length
+    return length + int(g.agent.turn_length or g.max_completion_length) + EPISODE_PREFILL_BLOCK
 
 
 def lora_params(shape: ModelShape, spec: PostTrainJobSpec) -> int:
@@ -507,7 +524,7 @@ def tpu_parts(
     if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
         kv = shape.kv_heads * shape.head_dim
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
-        cache = sequences * length * shape.layers * 2 * kv * w
+        cache = sequences * rollout_cache_length(spec.grpo) * shape.layers * 2 * kv * w
     vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
     if vision is not None:
         tower = vision.params * (w if spec.lora else 4 + (w if w < 4 else 0)) / fsdp
@@ -651,7 +668,7 @@ def estimate(
     cache = 0.0
     if spec.technique == "grpo" and not rollout_split.is_disaggregated(spec):
         sequences = t.batch_size * spec.grpo.num_generations / lay.devices
-        cache = sequences * length * shape.layers * 2 * kv * w
+        cache = sequences * rollout_cache_length(spec.grpo) * shape.layers * 2 * kv * w
     tower = 0.0
     vision = model_shapes.vision_shape(spec.model.source) if spec.data.columns.images else None
     if vision is not None:

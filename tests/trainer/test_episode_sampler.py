@@ -98,6 +98,7 @@ def test_an_episode_within_its_budget_never_starts_over(loaded):
     g = SimpleNamespace(max_prompt_length=len(prompt), max_completion_length=budget,
                         agent=SimpleNamespace(turn_length=TURN))  # fmt: skip
     turn, size = turn_and_cache(g)
+    assert size == len(prompt) + budget + TURN + BLOCK  # what the estimate counts too
     sampler = EpisodeSampler(model, 1, size, turn, eos=10**6, pad=0, temperature=None)
     context, prefilled = list(prompt), []
     while len(context) + TURN <= len(prompt) + budget:  # the rollout's budget

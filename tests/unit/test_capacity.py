@@ -207,6 +207,14 @@ def test_grpo_rollout_cache_and_distillation_teacher():
     assert est.terms["rollout cache"] == pytest.approx(
         sequences * 1024 * 28 * 2 * 8 * 128 * 2 / GIB
     )
+    # Episodes with tools: the episode sampler's cache holds a turn and a prefill block
+    # more a sequence (the activations keep the learner's 1024 tokens).
+    agent = {"maxTurns": 3, "turnLength": 200, "tools": [{"name": "calc", "type": "calculator"}]}
+    est = estimate(job(technique="grpo", grpo=grpo | {"agent": agent}, training={"batchSize": 16}))
+    assert est.length == 1024
+    assert est.terms["rollout cache"] == pytest.approx(
+        sequences * (1024 + 200 + 32) * 28 * 2 * 8 * 128 * 2 / GIB
+    )
     teacher = {"teacher": {"source": "gs://m/Qwen3-8B"}}
     est = estimate(job(technique="distill", distill=teacher, training={"batchSize": 8}))
     qwen3_8b = model_shapes.from_name("Qwen3-8B")

@@ -37,8 +37,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from posttrain.capacity import rollout_cache_length
 from posttrain.trainer import tool_calls
-from posttrain.trainer.episode_sampler import BLOCK, EpisodeSampler
+from posttrain.trainer.episode_sampler import EpisodeSampler
 from posttrain.trainer.tools import Toolbox
 from posttrain.trainer.tunix_rl import TunixTokenizer
 
@@ -69,9 +70,9 @@ def turn_and_cache(g: Any) -> tuple[int, int]:
     """spec.grpo's tokens a model turn (agent.turnLength, else maxCompletionLength) and
     the slots of an episode's KV cache: the prompt, the episode's budget, a turn, and the
     padding of a prefill block rounded up to BLOCK (without it, a late turn after long
-    ones would not fit after what is cached, and would prefill the whole context again)."""
-    turn = int(g.agent.turn_length or g.max_completion_length)
-    return turn, int(g.max_prompt_length) + int(g.max_completion_length) + turn + BLOCK
+    ones would not fit after what is cached, and would prefill the whole context again),
+    as the memory estimate counts it (``capacity.rollout_cache_length``)."""
+    return int(g.agent.turn_length or g.max_completion_length), rollout_cache_length(g)
 
 
 class AgentRollout:

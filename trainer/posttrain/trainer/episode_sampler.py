@@ -31,10 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.capacity import EPISODE_PREFILL_BLOCK
 from posttrain.trainer import models
 from posttrain.trainer.models.generation import beside_params, on_host
 
-BLOCK = 32  # prefill widths are multiples of this, so the prefill compiles a few times
+# Prefill widths are multiples of this, so the prefill compiles a few times (the episode's
+# cache holds one block's padding: capacity.rollout_cache_length).
+BLOCK = EPISODE_PREFILL_BLOCK
 
 
 class EpisodeSampler:
