@@ -35,7 +35,7 @@ trainer's CPU scheduler (``cpu_flags``). It prints each one's compiled peak
 (``memory_analysis()``: arguments + temporaries + outputs - aliased) and seconds a step
 (the median of ``--steps`` steps after a compiling one, the updates taking turns),
 and the ratios before / after; and the update of a batch whose every advantage is zero
-(``grpo.make_zero_advantage_step``: no forward or backward pass):
+(``grpo_step.make_zero_advantage_step``: no forward or backward pass):
 
     python bench/grpo.py --learner [--steps 10]
 """
@@ -77,7 +77,7 @@ from timing import timed  # noqa: E402
 from tiny_model import make_tiny_llama  # noqa: E402
 
 from posttrain.checks import validate  # noqa: E402
-from posttrain.trainer import data, grpo, models, optim, rl_losses, rl_placement  # noqa: E402
+from posttrain.trainer import data, grpo, grpo_step, models, optim, rl_losses, rl_placement  # noqa: E402
 from posttrain.trainer.distributed import ProcessInfo  # noqa: E402
 from posttrain.trainer.policy import load_policy, shard_like_params  # noqa: E402
 from posttrain.trainer.step_memory import memory_of, peak_bytes  # noqa: E402
@@ -105,7 +105,7 @@ def make_job(model_dir: Path, prompts: Path, args: argparse.Namespace):
             "grpo": {
                 "numGenerations": args.generations,
                 # Not 0: a random model's rewards all agree, and without a KL term such a
-                # step skips the learner's passes (grpo.make_zero_advantage_step), which
+                # step skips the learner's passes (grpo_step.make_zero_advantage_step), which
                 # Tunix's loop does not; with one both loops run the learner every step.
                 "beta": 1e-3,
                 "maxPromptLength": 48,
@@ -292,7 +292,7 @@ def learner_main(args: argparse.Namespace) -> int:
         "rewards": jnp.zeros((rows, 1), jnp.float32),
     }
     every_position = mock.patch.object(
-        grpo, "_completion_view", lambda model, ids: models.compute_view(model)
+        grpo_step, "completion_view", lambda model, ids: models.compute_view(model)
     )
     modes = {"every position": every_position, "completion only": contextlib.nullcontext()}
     with jax.set_mesh(mesh):
@@ -300,7 +300,7 @@ def learner_main(args: argparse.Namespace) -> int:
         steps, memory = {}, {}
         for name, patch in modes.items():  # traced and compiled with the mode's view
             with patch:
-                step = grpo.make_train_step(policy.wrt, config, pad, eos,
+                step = grpo_step.make_train_step(policy.wrt, config, pad, eos,
                                             spec.training.gradient_accumulation, "none")  # fmt: skip
                 compiled = step.lower(policy.model, opt, None, batch).compile()
                 memory[name] = memory_of(compiled)
@@ -308,7 +308,7 @@ def learner_main(args: argparse.Namespace) -> int:
             steps[name] = step
         # A batch whose every advantage is zero (beta 0): no forward or backward pass.
         zero = {**batch, "advantages": jnp.zeros_like(batch["advantages"])}
-        steps["zero advantage"] = grpo.make_zero_advantage_step(policy.wrt)
+        steps["zero advantage"] = grpo_step.make_zero_advantage_step(policy.wrt)
         jax.block_until_ready(steps["zero advantage"](policy.model, opt, None, zero)["loss"])
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.steps):  # one step of each in turn: a busy machine slows all

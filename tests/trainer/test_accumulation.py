@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from posttrain.api.spec import DpoSpec
-from posttrain.trainer import distill, dpo, grpo, models, optim, sft
+from posttrain.trainer import distill, dpo, grpo_step, models, optim, sft
 
 pytestmark = pytest.mark.trainer
 ROWS, LENGTH, VOCAB = 4, 16, 400
@@ -90,7 +90,7 @@ def build(technique, model_dir):
     config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04,
                                      epsilon=0.2, loss_algo="grpo", kl_loss_mode="low_var_kl")  # fmt: skip
     config.temperature = 0.9
-    step = lambda: grpo.make_train_step(nnx.Param, config, 0, 2, 2, "model")  # noqa: E731
+    step = lambda: grpo_step.make_train_step(nnx.Param, config, 0, 2, 2, "model")  # noqa: E731
     return step, (frozen,), grpo_batch()
 
 
@@ -157,7 +157,7 @@ def test_grpo_losses_with_accumulation_match_one_batch(model_dir, algorithm):
     results = [
         one_step(
             model_dir,
-            lambda k=k: grpo.make_train_step(nnx.Param, config, 0, 2, k, "model"),
+            lambda k=k: grpo_step.make_train_step(nnx.Param, config, 0, 2, k, "model"),
             (frozen,),
             batch,
         )  # fmt: skip

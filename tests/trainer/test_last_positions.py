@@ -1,5 +1,5 @@
 """GRPO's learner projects onto the vocabulary only the positions its log-probs read
-(``models.last_positions``, through ``grpo._completion_view``): the logits it keeps, the
+(``models.last_positions``, through ``grpo_step.completion_view``): the logits it keeps, the
 per-token log-probs, the GRPO loss and its gradients are the full projection's for every
 family (Gemma 2's final logit soft cap included, LoRA adapters included), and the train
 step's program (policy loss, reference log-probs) and the behaviour log-probs' program hold
@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from hf_fixtures import fixture_loader
 
-from posttrain.trainer import grpo, models, rl_losses
+from posttrain.trainer import grpo_step, models, rl_losses
 from posttrain.trainer import lora as lora_lib
 
 pytestmark = pytest.mark.trainer
@@ -115,7 +115,7 @@ def test_log_probs_loss_and_gradients_are_the_full_projections(loaded, family, l
     assert models.compute_view(model)(ids, positions, None, attention)[0].shape[1] == P + K
 
     full_logps = np.asarray(log_probs(full_view, model, prompt, completion))
-    cut_logps = np.asarray(log_probs(grpo._completion_view, model, prompt, completion))
+    cut_logps = np.asarray(log_probs(grpo_step.completion_view, model, prompt, completion))
     assert cut_logps.shape == (ROWS, K)
     np.testing.assert_allclose(cut_logps, full_logps, rtol=1e-5, atol=1e-6)
 
@@ -123,7 +123,9 @@ def test_log_probs_loss_and_gradients_are_the_full_projections(loaded, family, l
     behaviour = jnp.asarray(full_logps + noise, jnp.float32)  # weights other than 1
     reference = jnp.asarray(full_logps - noise, jnp.float32)  # a KL other than 0
     full_loss, full_grads = loss_and_grads(full_view, model, wrt, behaviour, reference)
-    cut_loss, cut_grads = loss_and_grads(grpo._completion_view, model, wrt, behaviour, reference)
+    cut_loss, cut_grads = loss_and_grads(
+        grpo_step.completion_view, model, wrt, behaviour, reference
+    )
     assert full_loss != 0.0
     np.testing.assert_allclose(cut_loss, full_loss, rtol=1e-5)
     assert len(cut_grads) == len(full_grads) > 0
@@ -152,9 +154,9 @@ def programs(model, wrt, use_ref: str, reference) -> str:
              "advantages": jnp.asarray([1.0, -0.5, 0.7]),
              "rewards": jnp.zeros((ROWS, 1), jnp.float32),
              "behaviour_logps": jnp.zeros((ROWS, K), jnp.float32)}  # fmt: skip
-    step = grpo.make_train_step(wrt, algo_config(0.05), PAD, EOS, 1, use_ref)
+    step = grpo_step.make_train_step(wrt, algo_config(0.05), PAD, EOS, 1, use_ref)
     optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=wrt)
-    behaviour = grpo._behaviour_logps_fn(PAD, EOS, 0.8)
+    behaviour = grpo_step.behaviour_logps_fn(PAD, EOS, 0.8)
     return "\n".join(
         [step.lower(model, optimizer, reference, batch).as_text(),
          behaviour.lower(model, prompt, completion).as_text()]
@@ -172,5 +174,5 @@ def test_the_learner_projects_only_the_completions_positions(loaded, family, use
         reference = model
     assert vocab_products(programs(model, wrt, use_ref, reference)) == {(ROWS, K + 1)}
     # Every position, as before: what the test would see if the restriction were lost.
-    monkeypatch.setattr(grpo, "_completion_view", full_view)
+    monkeypatch.setattr(grpo_step, "completion_view", full_view)
     assert vocab_products(programs(model, wrt, use_ref, reference)) == {(ROWS, P + K)}

@@ -1,5 +1,5 @@
 """A GRPO batch whose every advantage is zero teaches nothing: without a KL term the
-policy loss and its gradient are zero, and ``grpo.make_zero_advantage_step`` updates the
+policy loss and its gradient are zero, and ``grpo_step.make_zero_advantage_step`` updates the
 weights and optimizer state exactly as the full train step does (the optimizer's moments
 and weight decay still move them), without the forward and backward passes."""
 
@@ -15,7 +15,7 @@ from flax import nnx
 from hf_fixtures import fixture_loader
 
 from posttrain.api.spec import TrainingSpec
-from posttrain.trainer import grpo, optim, rl_losses
+from posttrain.trainer import grpo_step, optim, rl_losses
 from posttrain.trainer import lora as lora_lib
 
 pytestmark = pytest.mark.trainer
@@ -52,7 +52,7 @@ def test_the_zero_advantage_update_is_the_train_steps(lora, accumulation):
     if lora:
         model, wrt = lora_lib.apply_lora(model, 4, 8.0), nnx.LoRAParam
     opt = nnx.Optimizer(model, optim.optimizer(training), wrt=wrt)
-    train = grpo.make_train_step(wrt, config, PAD, EOS, accumulation, "none")
+    train = grpo_step.make_train_step(wrt, config, PAD, EOS, accumulation, "none")
     train(model, opt, None, batch([1.0, -1.0, 0.5, -0.5]))  # moments that are not zero
 
     before = leaves(model, wrt)
@@ -60,7 +60,7 @@ def test_the_zero_advantage_update_is_the_train_steps(lora, accumulation):
     graphdef, state = nnx.split((model, opt))
     full_model, full_opt = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
     full = train(full_model, full_opt, None, batch([0.0] * ROWS))
-    skip = grpo.make_zero_advantage_step(wrt)(model, opt, None, batch([0.0] * ROWS))
+    skip = grpo_step.make_zero_advantage_step(wrt)(model, opt, None, batch([0.0] * ROWS))
 
     # The premise: a zero advantage leaves no loss and no gradient.
     assert float(full["loss"]) == 0.0 and float(full["grad_norm"]) == 0.0

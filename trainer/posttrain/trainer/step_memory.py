@@ -1,5 +1,5 @@
 """XLA's own memory figure for a job's train step: the step the trainer runs
-(``sft``/``dpo``/``distill``/``grpo.make_train_step`` with spec.training's optimizer from
+(``sft``/``dpo``/``distill``/``grpo_step.make_train_step`` with spec.training's optimizer from
 ``optim.optimizer``, clipping included, its gradient accumulation, its reference model or
 teacher, spec.training.remat as on an accelerator, spec.lora's adapters), compiled ahead
 of time from abstract arrays (``jax.ShapeDtypeStruct`` params, optimizer state and batch,
@@ -130,7 +130,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
     """The job's jitted train step and its abstract arguments on `mesh` (model, optimizer,
     reference or teacher, batch): ``step.lower(*args)`` under ``jax.set_mesh(mesh)``
     compiles what the trainer runs. Only traces: no array is made on mesh's devices."""
-    from posttrain.trainer import distill, dpo, grpo, lora, sft
+    from posttrain.trainer import distill, dpo, grpo_step, lora, sft
     from posttrain.trainer.models import vision as vision_lib
 
     t, technique = spec.training, str(spec.technique)
@@ -209,7 +209,7 @@ def build(spec: PostTrainJobSpec, mesh: jax.sharding.Mesh) -> tuple[Any, tuple]:
             config.temperature = g.temperature
             use_ref = "none" if g.beta == 0 else ("lora" if spec.lora else "model")
             reference = frozen() if use_ref == "model" else None
-            step = grpo.make_train_step(wrt, config, 0, 1, t.gradient_accumulation, use_ref)
+            step = grpo_step.make_train_step(wrt, config, 0, 1, t.gradient_accumulation, use_ref)
             rows_n = n * g.num_generations
             shapes = {
                 "prompt_ids": ((rows_n, g.max_prompt_length), i32),
