@@ -443,10 +443,11 @@ class RewardSpec(KubeModel):
     """One reward function; GRPO sums the weighted rewards."""
 
     type: RewardType
-    """exactAnswer: 1 when the last number in the completion equals the answer column;
-    regexFormat: 1 when the completion matches pattern; lengthPenalty: minus the
-    fraction by which the completion exceeds targetLength; python: a user function;
-    http: a verifier service at url scores batches of completions."""
+    """exactAnswer: 1 when the last number in the completion (with spec.grpo.agent, in
+    the model's last turn, not a tool's result) equals the answer column; regexFormat: 1
+    when the completion matches pattern; lengthPenalty: minus the fraction by which the
+    completion exceeds targetLength; python: a user function; http: a verifier service
+    at url scores batches of completions."""
 
     weight: float = Field(default=1.0, ge=-1000, le=1000)
     """Multiplier for this reward."""
