@@ -6,6 +6,8 @@ damaged entry, or no cache directory compiles. Needs libtpu (the tpu-compile ext
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +78,33 @@ def test_without_a_cache_every_compile_compiles(mesh, monkeypatch):
     for _ in range(2):
         assert not isinstance(compile_figures.compile(lowered(mesh, 512), mesh),
                               compile_figures.Figures)  # fmt: skip
+
+
+KEPT_OUT = """
+import pathlib, sys
+import jax, jax.numpy as jnp
+cache = pathlib.Path(sys.argv[1])
+jax.config.update("jax_compilation_cache_dir", str(cache / "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from posttrain import catalog
+from posttrain.trainer import compile_figures, step_memory, tpu_compile
+mesh = step_memory.mesh_of(1, 1, tpu_compile.tpu_devices(catalog.resolve("v5e-1")))
+x = jax.ShapeDtypeStruct((512, 1024), jnp.float32,
+                         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+with jax.set_mesh(mesh):
+    compile_figures.compile(jax.jit(lambda x: x @ x.T).lower(x), mesh)
+print(len(list((cache / "jax").glob("jit__lambda-*"))))
+jax.jit(lambda y: y + 1)(jnp.ones(3)).block_until_ready()  # the cache is on: a CPU program goes in
+print(len(list((cache / "jax").glob("jit__lambda-*"))))
+"""
+
+
+def test_a_compile_only_program_stays_out_of_jaxs_cache(tmp_path):
+    """JAX's persistent cache would keep the compile-only executable, which nothing can
+    load back, and warn each time it failed to: only its figures are kept."""
+    run = subprocess.run([sys.executable, "-c", KEPT_OUT, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0", "1"], run.stdout
+    assert len(list((tmp_path / "jax" / "tpu-figures").glob("*.json"))) == 1

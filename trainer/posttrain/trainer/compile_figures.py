@@ -9,11 +9,14 @@ compiler's out-of-memory refusal, which the compiler gives alike for the same pr
 ``compile`` keeps them beside JAX's cache (``<jax_compilation_cache_dir>/tpu-figures``,
 none when that cache is off), keyed by the lowered program's text, the devices it is for,
 the compiler's flags and the jax and libtpu versions, and reads them instead of compiling
-the same program again. Compiles for real devices go to JAX's own cache as before.
+the same program again. Compiles for real devices go to JAX's own cache as before; a
+compile-only one is kept out of it (JAX would write the executable, tens of MB for a full
+model, that nothing can load, and warn each time it failed to read it back).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,9 +56,12 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
     ``Figures`` of the same program when there are some (or its stored refusal, raised),
     else compiled and its figures stored."""
     devices = list(mesh.devices.flat)
-    directory = _directory(devices)
+    if devices[0].platform != "tpu" or jax.default_backend() == "tpu":
+        return lowered.compile()  # real devices: JAX's own cache
+    directory = _cache_root()
     if directory is None:
-        return lowered.compile()
+        with _kept_out_of_jax_cache():
+            return lowered.compile()
     path = directory / f"{_key(lowered, devices)}.json"
     try:
         stored = json.loads(path.read_text())
@@ -67,7 +73,8 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
         keys = [*_MEMORY, *(["peak"] if "peak" in stored["memory"] else [])]
         return Figures({k: int(stored["memory"][k]) for k in keys}, stored.get("cost", {}))
     try:
-        compiled = lowered.compile()
+        with _kept_out_of_jax_cache():
+            compiled = lowered.compile()
     except Exception as e:
         if is_out_of_memory(str(e)):
             _store(path, {"error": str(e)})
@@ -81,6 +88,19 @@ def compile(lowered: Any, mesh: jax.sharding.Mesh) -> Any:
     return compiled
 
 
+@contextlib.contextmanager
+def _kept_out_of_jax_cache():
+    """JAX's persistent cache writes no executable that compiled in less than its minimum
+    compile time: set out of reach for the compile, then back."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
 def is_out_of_memory(message: str) -> bool:
     """Whether a compile error is the TPU compiler's out-of-memory refusal."""
     return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message
@@ -92,13 +112,6 @@ def cost_of(compiled: Any) -> dict[str, Any]:
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
     return cost or {}
-
-
-def _directory(devices: list[Any]) -> Path | None:
-    """Where the figures go, for compile-only TPU devices only."""
-    if devices[0].platform != "tpu" or jax.default_backend() == "tpu":
-        return None
-    return _cache_root()
 
 
 def _cache_root() -> Path | None:
